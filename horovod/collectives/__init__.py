@@ -1,0 +1,1 @@
+"""Collective algorithms written once against the Transport contract."""

@@ -1,0 +1,209 @@
+"""Collective algorithms over a Transport (or a process-set view of one).
+
+Every function works on flat C-contiguous NumPy arrays and leaves bitwise-identical results on
+every rank: reductions are combined in one fixed order (rank order for the direct algorithms,
+one owner per segment for the ring), so floating-point sums never differ between ranks.
+
+Small messages use direct exchange (one round: every rank sends its data to every other rank),
+large ones the bandwidth-optimal ring (reduce-scatter then allgather). ``SMALL_BYTES`` is the
+switch point; it is per-process configuration, not a per-call choice, so all ranks agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from horovod.transport.base import as_bytes
+
+Reducer = Callable[..., np.ndarray]
+SMALL_BYTES = 64 * 1024
+
+
+class Scratch:
+    """A growable byte buffer reused across calls (no allocation on the hot path)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def get(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        if self._buf.nbytes < nbytes:
+            self._buf = np.empty(max(nbytes, 2 * self._buf.nbytes), np.uint8)
+        return self._buf[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes
+
+
+def split_even(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` contiguous counts, the first ``total % parts`` one larger."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:
+    """In-place reduction of ``buf`` (flat) across all ranks of ``t``."""
+    n = t.size
+    if n == 1 or buf.size == 0:
+        return
+    if buf.nbytes <= SMALL_BYTES or buf.size < n:
+        _allreduce_direct(t, buf, op, scratch)
+    else:
+        counts = split_even(buf.size, n)
+        _reduce_scatter_ring(t, buf, counts, op, scratch)
+        _allgather_ring(t, buf, counts)
+
+
+def _allreduce_direct(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:
+    n, me = t.size, t.rank
+    others = scratch.get(buf.nbytes * (n - 1), buf.dtype).reshape(n - 1, buf.size)
+    peers = [p for p in range(n) if p != me]
+    mine = as_bytes(buf)
+    t.exchange([(p, mine) for p in peers], [(p, as_bytes(others[i])) for i, p in enumerate(peers)])
+    parts = [others[i] for i in range(me)] + [buf] + [others[i] for i in range(me, n - 1)]
+    if me == 0:
+        acc = buf
+        for part in parts[1:]:
+            op(acc, part, out=acc)
+    else:
+        # Fold in rank order into others[0] (rank 0's data), then copy: identical to rank 0.
+        acc = parts[0]
+        for part in parts[1:]:
+            op(acc, part, out=acc)
+        np.copyto(buf, acc)
+
+
+def _reduce_scatter_ring(t, buf: np.ndarray, counts: Sequence[int], op: Reducer,
+                         scratch: Scratch) -> None:
+    """After this, segment ``r`` of ``buf`` on rank ``r`` holds the reduction of segment r."""
+    n, me = t.size, t.rank
+    offs = _offsets(counts)
+    right, left = (me + 1) % n, (me - 1) % n
+    tmp = scratch.get(max(counts) * buf.itemsize, buf.dtype)
+    for s in range(n - 1):
+        si = (me - s - 1) % n
+        ri = (me - s - 2) % n
+        seg_out = buf[offs[si]:offs[si] + counts[si]]
+        seg_in = buf[offs[ri]:offs[ri] + counts[ri]]
+        got = tmp[:counts[ri]]
+        t.exchange([(right, as_bytes(seg_out))], [(left, as_bytes(got))])
+        op(seg_in, got, out=seg_in)
+
+
+def _allgather_ring(t, buf: np.ndarray, counts: Sequence[int]) -> None:
+    """Segment r of ``buf`` is valid on rank r; afterwards every segment is valid everywhere."""
+    n, me = t.size, t.rank
+    offs = _offsets(counts)
+    right, left = (me + 1) % n, (me - 1) % n
+    for s in range(n - 1):
+        si = (me - s) % n
+        ri = (me - s - 1) % n
+        t.exchange([(right, as_bytes(buf[offs[si]:offs[si] + counts[si]]))],
+                   [(left, as_bytes(buf[offs[ri]:offs[ri] + counts[ri]]))])
+
+
+def reduce_scatter(t, buf: np.ndarray, counts: Sequence[int], op: Reducer,
+                   scratch: Scratch) -> np.ndarray:
+    """Reduce ``buf`` (flat, segments of ``counts`` elements in rank order) and return this
+    rank's reduced segment (a view into ``buf``)."""
+    n, me = t.size, t.rank
+    offs = _offsets(counts)
+    mine = buf[offs[me]:offs[me] + counts[me]]
+    if n == 1:
+        return mine
+    if buf.nbytes <= SMALL_BYTES * n:
+        peers = [p for p in range(n) if p != me]
+        got = scratch.get(counts[me] * buf.itemsize * (n - 1), buf.dtype).reshape(n - 1,
+                                                                                  counts[me])
+        t.exchange([(p, as_bytes(buf[offs[p]:offs[p] + counts[p]])) for p in peers],
+                   [(p, as_bytes(got[i])) for i, p in enumerate(peers)])
+        parts = [got[i] for i in range(me)] + [mine] + [got[i] for i in range(me, n - 1)]
+        acc = parts[0]
+        for part in parts[1:]:
+            op(acc, part, out=acc)
+        if acc is not mine:
+            np.copyto(mine, acc)
+        return mine
+    _reduce_scatter_ring(t, buf, counts, op, scratch)
+    return mine
+
+
+def allgatherv(t, out: np.ndarray, nbytes: Sequence[int]) -> None:
+    """``out`` (flat uint8) holds block r (``nbytes[r]`` bytes, rank order) on rank r; afterwards
+    every block is present on every rank."""
+    n, me = t.size, t.rank
+    if n == 1:
+        return
+    offs = _offsets(nbytes)
+    blocks = [out[offs[r]:offs[r] + nbytes[r]] for r in range(n)]
+    if sum(nbytes) <= SMALL_BYTES * 2 or n == 2:
+        peers = [p for p in range(n) if p != me]
+        t.exchange([(p, as_bytes(blocks[me])) for p in peers],
+                   [(p, as_bytes(blocks[p])) for p in peers])
+    else:
+        right, left = (me + 1) % n, (me - 1) % n
+        for s in range(n - 1):
+            t.exchange([(right, as_bytes(blocks[(me - s) % n]))],
+                       [(left, as_bytes(blocks[(me - s - 1) % n]))])
+
+
+def broadcast(t, buf: np.ndarray, root: int) -> None:
+    """Binomial tree from set rank ``root``; ``buf`` is flat bytes."""
+    n, me = t.size, t.rank
+    if n == 1 or buf.nbytes == 0:
+        return
+    vr = (me - root) % n
+    view = as_bytes(buf)
+    mask = 1
+    while mask < n:
+        if vr & mask:
+            t.exchange([], [(((vr - mask) + root) % n, view)])
+            break
+        mask <<= 1
+    mask >>= 1
+    sends = []
+    while mask > 0:
+        if vr + mask < n:
+            sends.append((((vr + mask) + root) % n, view))
+        mask >>= 1
+    if sends:
+        t.exchange(sends, [])
+
+
+def alltoallv(t, sends: Sequence[memoryview], recvs: Sequence[memoryview]) -> None:
+    """Block ``sends[p]`` goes to rank p, ``recvs[p]`` receives from rank p (own block copied)."""
+    me = t.rank
+    recvs[me][:] = sends[me]
+    peers = [p for p in range(t.size) if p != me]
+    t.exchange([(p, sends[p]) for p in peers], [(p, recvs[p]) for p in peers])
+
+
+def barrier(t) -> None:
+    """Dissemination barrier: ceil(log2 n) rounds of one-byte messages."""
+    n, me = t.size, t.rank
+    token = memoryview(bytearray(1))
+    got = memoryview(bytearray(1))
+    k = 1
+    while k < n:
+        t.exchange([((me + k) % n, token)], [((me - k) % n, got)])
+        k <<= 1
+
+
+def exchange_counts(t, counts: Sequence[int]) -> list[int]:
+    """Alltoall of one int64 per peer: returns what every rank sent to this one."""
+    n = t.size
+    send = np.asarray(counts, dtype=np.int64)
+    recv = np.empty(n, np.int64)
+    alltoallv(t, [as_bytes(send[i:i + 1]) for i in range(n)],
+              [as_bytes(recv[i:i + 1]) for i in range(n)])
+    return recv.tolist()

@@ -1,0 +1,1 @@
+"""Bottom layer shared by every part of pyhorovod: configuration, errors, logging, dtypes."""

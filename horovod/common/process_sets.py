@@ -1,0 +1,86 @@
+"""Process sets: collectives over a subset of ranks (upstream's ``horovod.common.process_sets``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def _current() -> Any:
+    from horovod.core.context import current
+
+    return current()
+
+
+class ProcessSet:
+    """A subset of ranks. Register it with ``hvd.init(process_sets=[...])`` or, with dynamic
+    process sets enabled, ``hvd.add_process_set(...)``; then pass it as ``process_set=``."""
+
+    def __init__(self, ranks_or_comm: Iterable[int] | Any) -> None:
+        self.process_set_id: int | None = None
+        self.mpi_comm = None
+        try:
+            ranks = list(ranks_or_comm)
+        except TypeError:
+            ranks = None
+        if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool)
+                                    for r in ranks):
+            raise ValueError("ProcessSet should be initialized with a list of process ranks "
+                             "(ints); mpi4py communicators need the MPI controller")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ProcessSet ranks must be distinct, got {ranks}")
+        if any(r < 0 for r in ranks):
+            raise ValueError(f"ProcessSet ranks must be >= 0, got {ranks}")
+        self._ranks = sorted(ranks)
+
+    @property
+    def ranks(self) -> list[int]:
+        return self._ranks
+
+    def _registered(self) -> bool:
+        ctx = _current()
+        return (self.process_set_id is not None and ctx is not None
+                and ctx.public_sets.get(self.process_set_id) is self)
+
+    def size(self) -> int | None:
+        return len(self.ranks) if self._registered() else None
+
+    def rank(self) -> int | None:
+        if not self._registered():
+            return None
+        me = _current().rank
+        if me not in self.ranks:
+            raise ValueError("Process is not part of provided process set.")
+        return self.ranks.index(me)
+
+    def included(self) -> bool | None:
+        ctx = _current()
+        if ctx is None:
+            return None
+        return ctx.rank in self.ranks
+
+    def __str__(self) -> str:
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
+
+    __repr__ = __str__
+
+
+class _GlobalProcessSet(ProcessSet):
+    """All ranks; id 0. Its ranks are those of the job this thread initialised."""
+
+    def __init__(self) -> None:
+        self.process_set_id = 0
+        self.mpi_comm = None
+        self._ranks = []
+
+    @property
+    def ranks(self) -> list[int]:
+        ctx = _current()
+        return list(range(ctx.size)) if ctx is not None else []
+
+    def _registered(self) -> bool:
+        return _current() is not None
+
+
+global_process_set: ProcessSet = _GlobalProcessSet()

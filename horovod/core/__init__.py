@@ -1,0 +1,1 @@
+"""The runtime core: Context, Engine (background thread), negotiation, response cache, fusion."""

@@ -1,0 +1,246 @@
+"""The runtime Context: what ``hvd.init()`` builds (config, store, transport, engine, process
+sets, handles) and ``hvd.shutdown()`` tears down.
+
+There is no module-level runtime state besides *which* context is current: a process-wide
+default for normal jobs (so framework threads such as data loaders see it too) and a
+ContextVar override used by ``horovod.testing.run_ranks`` to run N ranks as N threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import itertools
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from horovod.common import log
+from horovod.common.config import Config
+from horovod.common.exceptions import ConfigError
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.core.engine import Engine, Handle
+from horovod.core.messages import decode, encode
+from horovod.rendezvous.store import HTTPStoreClient, MemoryStore, Store
+from horovod.transport.base import Transport
+from horovod.transport.loopback import LoopbackWorld
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+
+
+@dataclass
+class RankSpec:
+    """How a rank thread of ``run_ranks`` joins its in-process world."""
+
+    world: LoopbackWorld
+    rank: int
+    env: dict[str, str]
+    hosts: list[str] | None = None
+    rounds: itertools.count = field(default_factory=itertools.count)
+
+
+_spec: contextvars.ContextVar[RankSpec | None] = contextvars.ContextVar("horovod_rank_spec",
+                                                                        default=None)
+_thread_ctx: contextvars.ContextVar[Context | None] = contextvars.ContextVar("horovod_context",
+                                                                           default=None)
+_process_ctx: Context | None = None
+_process_rounds = itertools.count()
+_lock = threading.Lock()
+_atexit_registered = False
+
+
+def current() -> Context | None:
+    if _spec.get() is not None:
+        return _thread_ctx.get()
+    return _process_ctx
+
+
+def require() -> Context:
+    ctx = current()
+    if ctx is None:
+        raise ValueError(NOT_INITIALIZED)
+    return ctx
+
+
+def init(process_sets: Any = None, comm: Any = None) -> Context:
+    global _process_ctx, _atexit_registered
+    if comm is not None:
+        raise ValueError("hvd.init(comm=...) needs the MPI controller, which this build does not "
+                         "include; start the job with horovodrun and use process_sets= for "
+                         "subsets of ranks")
+    spec = _spec.get()
+    ctx = current()
+    if ctx is not None and not ctx.stopped:
+        return ctx
+    env: dict[str, str]
+    if spec is not None:
+        env = spec.env
+    else:
+        import os
+
+        env = os.environ  # type: ignore[assignment]
+    static: list[ProcessSet] = []
+    if process_sets == "dynamic":
+        env["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+    elif process_sets is not None:
+        static = list(process_sets)
+        for i, ps in enumerate(static):
+            if not isinstance(ps, ProcessSet):
+                raise ValueError(f"process_sets entry number {i} is not a ProcessSet: {ps!r}")
+            if any(ps is other or ps.ranks == other.ranks for other in static[:i]):
+                raise ValueError(f"Horovod could not be initialized because process_sets entry "
+                                 f"number {i} is a duplicate: {ps}")
+    if spec is not None:
+        n = spec.world.size
+        hosts = spec.hosts or ["localhost"] * n
+        local = _local_layout(hosts)[spec.rank]
+        cfg = Config.from_env(env, rank=spec.rank, size=n, hostname=hosts[spec.rank],
+                              local_rank=local[0], local_size=local[1], cross_rank=local[2],
+                              cross_size=local[3])
+    else:
+        cfg = Config.from_env(env)
+        log.configure(cfg.log_level, cfg.log_hide_time)
+    new = Context(cfg, spec, static)
+    with _lock:
+        if spec is not None:
+            _thread_ctx.set(new)
+        else:
+            _process_ctx = new
+            if not _atexit_registered:
+                atexit.register(shutdown)
+                _atexit_registered = True
+    return new
+
+
+def shutdown() -> None:
+    global _process_ctx
+    ctx = current()
+    if ctx is None:
+        return
+    ctx.stop()
+    if _spec.get() is not None:
+        _thread_ctx.set(None)
+    elif _process_ctx is ctx:
+        _process_ctx = None
+
+
+def _local_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
+    """(local_rank, local_size, cross_rank, cross_size) per rank, as upstream defines them."""
+    counts = Counter(hosts)
+    seen: Counter[str] = Counter()
+    local_ranks = []
+    for h in hosts:
+        local_ranks.append(seen[h])
+        seen[h] += 1
+    host_order = list(dict.fromkeys(hosts))
+    out = []
+    for h, lr in zip(hosts, local_ranks):
+        with_lr = [x for x in host_order if counts[x] > lr]
+        out.append((lr, counts[h], with_lr.index(h), len(with_lr)))
+    return out
+
+
+class Context:
+    def __init__(self, cfg: Config, spec: RankSpec | None, static_sets: list[ProcessSet]) -> None:
+        self.config = cfg
+        self.rank, self.size = cfg.rank, cfg.size
+        self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
+        self.cross_rank, self.cross_size = cfg.cross_rank, cfg.cross_size
+        self.stopped = False
+        self.handles: dict[int, Handle] = {}
+        self._handle_ids = itertools.count(1)
+        self.op_counters: Counter[str] = Counter()
+        round_id = next(spec.rounds if spec is not None else _process_rounds)
+        scope = f"init{round_id}"
+        for ps in static_sets:
+            bad = [r for r in ps.ranks if r >= cfg.size]
+            if bad:
+                raise ValueError(f"process set {ps.ranks} names ranks {bad} but the job has "
+                                 f"{cfg.size} ranks (0..{cfg.size - 1})")
+        store, transport = self._connect(cfg, spec, scope)
+        self.store = store
+        try:
+            infos = self._exchange_info(store, scope, cfg, [ps.ranks for ps in static_sets])
+            hosts = Counter(info[0] for info in infos)
+            self.is_homogeneous = len(set(hosts.values())) == 1
+            self.hostnames = [info[0] for info in infos]
+            self.engine = Engine(
+                cfg.rank, cfg.size, transport, fusion_threshold=cfg.fusion_threshold,
+                cycle_time_ms=cfg.cycle_time_ms, cache_capacity=cfg.cache_capacity,
+                disable_group_fusion=cfg.disable_group_fusion,
+                stall_check_seconds=0.0 if cfg.stall_check_disable else
+                cfg.stall_check_time_seconds,
+                stall_shutdown_seconds=cfg.stall_shutdown_time_seconds,
+                process_sets=[ps.ranks for ps in static_sets])
+        except BaseException:
+            transport.close()
+            raise
+        self.public_sets: dict[int, ProcessSet] = {0: global_process_set}
+        for i, ps in enumerate(static_sets, start=1):
+            ps.process_set_id = i
+            self.public_sets[i] = ps
+        self.engine.start()
+        if cfg.timeline:
+            log.logger.warning("HOROVOD_TIMELINE is set, but this pyhorovod version does not "
+                               "write timelines yet; no file will be written")
+        log.logger.info("Horovod initialized: rank %d of %d", cfg.rank, cfg.size)
+
+    @staticmethod
+    def _connect(cfg: Config, spec: RankSpec | None, scope: str) -> tuple[Store, Transport]:
+        if spec is not None:
+            return spec.world.store, spec.world.transport(cfg.rank, int(scope[4:]))
+        if cfg.size == 1:
+            return MemoryStore(), LoopbackWorld(1).transport(0, 0)
+        if not cfg.rendezvous_addr or cfg.rendezvous_port <= 0:
+            raise ConfigError(
+                f"HOROVOD_SIZE={cfg.size} but HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT are not set: "
+                "start the job with horovodrun (e.g. `horovodrun -np 2 python train.py`), or run "
+                "a single process without HOROVOD_SIZE")
+        if not cfg.secret_key:
+            raise ConfigError(
+                "HOROVOD_SECRET_KEY is not set. horovodrun gives every worker the job's secret; "
+                "when starting workers another way, set the same random hex value on every rank "
+                "(e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)")
+        from horovod.transport.tcp import (TcpTransport, interface_address,
+                                           local_address_towards)
+
+        secret = bytes.fromhex(cfg.secret_key)
+        store = HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, secret)
+        advertise = (interface_address(cfg.iface) if cfg.iface else
+                     local_address_towards(cfg.rendezvous_addr))
+        transport = TcpTransport(cfg.rank, cfg.size, store=store, scope=scope, secret=secret,
+                                 advertise=advertise, timeout=cfg.timeout_seconds)
+        return store, transport
+
+    @staticmethod
+    def _exchange_info(store: Store, scope: str, cfg: Config,
+                       sets: list[list[int]]) -> list[tuple]:
+        mine = (cfg.hostname, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,
+                sets)
+        if cfg.size == 1:
+            return [mine]
+        store.set(scope, f"info.{cfg.rank}", encode(("I",) + mine))
+        raw = store.wait(scope, [f"info.{r}" for r in range(cfg.size)], cfg.timeout_seconds)
+        infos = [decode(b)[1:] for b in raw]
+        for r, info in enumerate(infos):
+            if info[5] != sets:
+                raise ValueError(
+                    f"Different ranks tried to set up mismatching process sets: rank {cfg.rank} "
+                    f"passed {sets} to hvd.init(process_sets=...) but rank {r} passed {info[5]}; "
+                    "every rank must pass the same list in the same order")
+        return infos
+
+    # ------------------------------------------------------------------ handles
+    def new_handle(self) -> int:
+        return next(self._handle_ids)
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        self.engine.stop(timeout=max(10.0, self.config.timeout_seconds))
+        for ps_id, ps in list(self.public_sets.items()):
+            if ps_id != 0 and ps.process_set_id == ps_id:
+                ps.process_set_id = None
+        self.handles.clear()

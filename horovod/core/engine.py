@@ -1,0 +1,773 @@
+"""The engine: one background thread per rank that turns named requests into collectives.
+
+Flow (upstream's design, event-driven instead of polled):
+
+1. ``submit()`` (framework thread) checks the name is not in flight, records the entry and wakes
+   the engine.
+2. The engine sends the request to the coordinator (global rank 0) over the control channel —
+   as a cache id when this rank's request equals the cached one — or, on rank 0, hands it over
+   directly.
+3. The coordinator collects requests per (process set, name). When every non-joined member has
+   submitted a name, it validates that they agree (op, dtype, shape, reduce op, scale factors,
+   root, device), builds a response (an error response naming the ranks and values if they do
+   not), fuses compatible responses up to the fusion threshold, and sends the ordered list to
+   every rank. Rounds are started at once when the engine was idle and at most every
+   ``HOROVOD_CYCLE_TIME`` ms while requests keep coming, so bursts of gradients are fused.
+4. Every rank executes the list in order (``ops.execute``) and completes the handles. Because
+   one coordinator orders the responses of every process set, any two ranks run their common
+   collectives in the same order: no cross-set deadlock, no interleaved streams.
+
+Failures never hang: a rank whose connection drops, a data-plane error, or a stall past the
+shutdown limit makes the coordinator broadcast an abort naming the rank at fault; every rank then
+fails its pending and later collectives with that message. A rank calling ``shutdown()`` makes
+every rank stop after the responses already decided.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from horovod.common.dtypes import DTYPE_OF_CODE, NAME_OF_CODE
+from horovod.common.exceptions import HorovodInternalError, TransportError, shutdown_message
+from horovod.common.log import logger
+from horovod.core import ops
+from horovod.core.cache import ResponseCache
+from horovod.core.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, CACHEABLE,
+                                   ERROR, FUSIBLE, JOIN, OP_NAMES, PROCESS_SET_ADD,
+                                   PROCESS_SET_REMOVE, REDUCE_NAMES, REDUCESCATTER, Request,
+                                   Response, decode, display_name, encode)
+from horovod.transport.base import SubTransport, Transport
+
+DUPLICATE_NAME = (
+    "{what} is already in flight on this rank under the name '{name}'; a name may be used by only "
+    "one pending collective at a time. Wait for the first one (synchronize its handle) or pass a "
+    "different name=.")
+
+
+class Handle:
+    """Completion of one submitted op (several entries for a grouped op)."""
+
+    __slots__ = ("_event", "_left", "results", "error", "callsite", "_lock", "finish")
+
+    def __init__(self, n: int, callsite: str = "",
+                 finish: Callable[[list[Any]], Any] | None = None) -> None:
+        self._event = threading.Event()
+        self._left = n
+        self._lock = threading.Lock()
+        self.results: list[Any] = [None] * n
+        self.error: str | None = None
+        self.callsite = callsite
+        self.finish = finish
+        if n == 0:
+            self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def _complete(self, index: int, result: Any = None, error: str | None = None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            else:
+                self.results[index] = result
+            self._left -= 1
+            if self._left == 0:
+                self._event.set()
+
+    def wait(self) -> list[Any]:
+        while not self._event.wait(0.5):
+            pass
+        if self.error is not None:
+            where = f"\n  (this rank submitted it at {self.callsite})" if self.callsite else ""
+            raise HorovodInternalError(self.error + where)
+        return self.results
+
+
+class Entry:
+    """One tensor of one submitted op, as the engine tracks it."""
+
+    __slots__ = ("request", "array", "output", "splits", "handle", "index", "alloc", "cid")
+
+    def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
+                 handle: Handle, index: int = 0, splits: list[int] | None = None,
+                 alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None) -> None:
+        self.request = request
+        self.array = array
+        self.output = output
+        self.splits = splits
+        self.handle = handle
+        self.index = index
+        self.alloc = alloc or _np_alloc
+        self.cid: int | None = None
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.request.ps_id, self.request.name)
+
+
+def _np_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype)
+
+
+class SetState:
+    """A process set as the engine sees it."""
+
+    def __init__(self, ps_id: int, ranks: Sequence[int], transport: Transport,
+                 cache_capacity: int, coordinator: bool) -> None:
+        self.id = ps_id
+        self.ranks = list(ranks)
+        self.member = transport.rank in self.ranks
+        self.view = SubTransport(transport, self.ranks) if self.member else None
+        self.set_rank = self.ranks.index(transport.rank) if self.member else -1
+        self.cache = ResponseCache(cache_capacity, keep_evicted=4 * cache_capacity
+                                   if coordinator else 0)
+
+
+class Engine:
+    def __init__(self, rank: int, size: int, transport: Transport, *, fusion_threshold: int,
+                 cycle_time_ms: float, cache_capacity: int, disable_group_fusion: bool = False,
+                 stall_check_seconds: float = 60.0, stall_shutdown_seconds: float = 0.0,
+                 process_sets: Sequence[Sequence[int]] = (), clock: Callable[[], float] = time.monotonic,
+                 ) -> None:
+        self.rank, self.size, self.transport = rank, size, transport
+        self.fusion_threshold = fusion_threshold
+        self.cycle_s = cycle_time_ms / 1000.0
+        self.cache_capacity = cache_capacity
+        self.disable_group_fusion = disable_group_fusion
+        self.clock = clock
+        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.table: dict[tuple[int, str], Entry] = {}
+        self.lock = threading.Lock()
+        self.closed: str | None = None          # set once: why no more work is accepted
+        self.closing = False                    # a clean shutdown is under way
+        self.buffers = ops.Buffers()
+        self.sets: dict[int, SetState] = {}
+        self.stats = {"cycles": 0, "responses": 0, "fused_responses": 0, "cache_hits_sent": 0,
+                      "requests_sent": 0}
+        self._register(0, range(size))
+        for i, ranks in enumerate(process_sets, start=1):
+            self._register(i, ranks)
+        self.coordinator = _Coordinator(self, stall_check_seconds, stall_shutdown_seconds,
+                                        first_free=len(process_sets) + 1) if rank == 0 else None
+        self._shutdown_asked = False
+        self._thread = threading.Thread(target=self._run, name=f"horovod-engine-{rank}",
+                                        daemon=True)
+
+    # ------------------------------------------------------------------ public (any thread)
+    def start(self) -> None:
+        self.transport.start_ctrl(self._on_ctrl)
+        self._thread.start()
+
+    def submit(self, entries: Sequence[Entry]) -> None:
+        with self.lock:
+            if self.closed is not None:
+                raise HorovodInternalError(self.closed)
+            keys = [e.key for e in entries]
+            for e, k in zip(entries, keys):
+                if k in self.table or keys.count(k) > 1:
+                    raise ValueError(DUPLICATE_NAME.format(
+                        what=display_name(e.request.op, e.request.name).split(" ")[0],
+                        name=e.request.name))
+            for e, k in zip(entries, keys):
+                self.table[k] = e
+        self.inbox.put(("sub", entries))
+
+    def stop(self, timeout: float) -> None:
+        """Clean shutdown of this rank (propagates to every rank)."""
+        if self._thread.is_alive():
+            self.inbox.put(("shutdown",))
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._abort(f"rank {self.rank} could not shut down cleanly within {timeout:g} s")
+                self._thread.join(5)
+        self._close_table(shutdown_message(f"rank {self.rank} called shutdown()"))
+        self.transport.close()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def register_local(self, ps_id: int, ranks: Sequence[int]) -> None:
+        self._register(ps_id, ranks)
+
+    def process_set_ids(self) -> list[int]:
+        return sorted(self.sets)
+
+    # ------------------------------------------------------------------ control channel
+    def _on_ctrl(self, peer: int, payload: bytes | None) -> None:
+        """Runs on a transport thread; must not block."""
+        if payload is None:
+            if self.closing or self.closed is not None:
+                return
+            if self.rank == 0:
+                reason = (f"rank {peer} exited or lost its connection to the coordinator before "
+                          "calling shutdown(); it crashed, was killed, or its host went away")
+            else:
+                reason = ("rank 0 (the coordinator) exited or lost its connection before calling "
+                          "shutdown(); it crashed, was killed, or its host went away")
+            self._abort(reason)
+            return
+        try:
+            msg = decode(payload)
+        except Exception as e:  # a peer that proved the secret but sent nonsense
+            self._abort(f"rank {peer} sent a malformed control message ({e})")
+            return
+        if msg[0] == "X":           # abort broadcast by the coordinator
+            self._abort(str(msg[1]), broadcast=False)
+            return
+        if msg[0] == "P" and msg[2] is not None:
+            self.closing = True     # a clean shutdown follows; the connection will drop
+        self.inbox.put(("ctl", peer, msg))
+
+    def _abort(self, reason: str, broadcast: bool = True) -> None:
+        """Stop this rank's collectives with ``reason``; on the coordinator, tell every rank."""
+        with self.lock:
+            first = self.closed is None
+            if first:
+                self.closed = reason
+        if not first:
+            return
+        if broadcast:
+            if self.rank == 0:
+                wire = encode(("X", reason))
+                for p in range(1, self.size):
+                    try:
+                        self.transport.send_ctrl(p, wire)
+                    except Exception:
+                        pass
+            else:
+                try:
+                    self.transport.send_ctrl(0, encode(("A", reason)))
+                except Exception:
+                    pass
+        self.transport.abort(reason)
+        self.inbox.put(("abort", reason))
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                timeout = self._timeout()
+                try:
+                    batch = [self.inbox.get(timeout=timeout) if timeout != 0 else
+                             self.inbox.get_nowait()]
+                except queue.Empty:
+                    batch = []
+                while True:
+                    try:
+                        batch.append(self.inbox.get_nowait())
+                    except queue.Empty:
+                        break
+                if not self._handle(batch):
+                    break
+        except TransportError as e:
+            self._abort(str(e))
+        except Exception as e:  # a bug must not hang the job: fail loudly on every rank
+            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+            self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
+        finally:
+            self._close_table(self.closed or shutdown_message())
+
+    def _timeout(self) -> float | None:
+        if self.closed is not None:
+            return 0
+        if self.coordinator is not None:
+            return self.coordinator.timeout()
+        return 1.0 if self._shutdown_asked else None
+
+    def _handle(self, batch: list[tuple]) -> bool:
+        """Process one batch of events; False when the engine must stop."""
+        lists: list[tuple] = []
+        submitted: list[Entry] = []
+        for ev in batch:
+            kind = ev[0]
+            if kind == "sub":
+                submitted.extend(ev[1])
+            elif kind == "ctl":
+                peer, msg = ev[1], ev[2]
+                if self.coordinator is not None:
+                    self.coordinator.on_message(peer, msg)
+                elif msg[0] == "P":
+                    lists.append(msg)
+                elif msg[0] == "RESEND":
+                    self._resend(msg[1])
+            elif kind == "shutdown":
+                self.closing = True
+                if self.coordinator is not None:
+                    self.coordinator.shutdown_why = f"rank {self.rank} called shutdown()"
+                elif not self._shutdown_asked:
+                    self._shutdown_asked = True
+                    self.transport.send_ctrl(0, encode(("S", f"rank {self.rank} called shutdown()")))
+            elif kind == "abort":
+                return False
+        if self.closed is not None:
+            return False
+        if submitted:
+            self._send_requests(submitted)
+        if self.coordinator is not None:
+            lst = self.coordinator.maybe_emit()
+            if lst is not None:
+                lists.append(lst)
+        for msg in lists:
+            if not self._process_list(msg[1], msg[2]):
+                return False
+        return True
+
+    def _send_requests(self, entries: list[Entry]) -> None:
+        items: list[tuple] = []
+        for e in entries:
+            req = e.request
+            ss = self.sets.get(req.ps_id)
+            cid = None
+            if ss is not None and ss.cache.enabled and req.op in CACHEABLE:
+                cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
+            e.cid = cid
+            if self.coordinator is not None:
+                self.coordinator.add(self.rank, req, cid)
+            elif cid is not None:
+                items.append(("H", req.ps_id, cid))
+                self.stats["cache_hits_sent"] += 1
+            else:
+                items.append(("R", req.wire()))
+                self.stats["requests_sent"] += 1
+        if items:
+            self.transport.send_ctrl(0, encode(("Q", items)))
+
+    def _resend(self, wanted: list[tuple[int, int]]) -> None:
+        want = set(wanted)
+        with self.lock:
+            entries = [e for e in self.table.values() if (e.request.ps_id, e.cid) in want]
+        items = [("R", e.request.wire()) for e in entries]
+        for e in entries:
+            e.cid = None
+        if items:
+            self.transport.send_ctrl(0, encode(("Q", items)))
+
+    # ------------------------------------------------------------------ executing responses
+    def _process_list(self, items: list[tuple], shutdown_why: str | None) -> bool:
+        self.stats["cycles"] += 1
+        for item in items:
+            resp = self._decode_response(item)
+            if resp is None:
+                continue
+            self._execute(resp)
+        if shutdown_why is not None:
+            self.closing = True
+            with self.lock:
+                if self.closed is None:
+                    self.closed = shutdown_message(shutdown_why)
+            return False
+        return True
+
+    def _decode_response(self, item: tuple) -> Response | None:
+        """Turn a wire item into a Response and apply the cache rule (identical on all ranks)."""
+        if item[0] == "K":
+            ss = self.sets.get(item[1])
+            if ss is None or (not ss.member and self.coordinator is None):
+                return None
+            parts = [ss.cache.live[cid] for cid in item[2]]
+            for cid in item[2]:
+                ss.cache.touch(cid)
+            return _merge(parts)
+        resp = Response.from_wire(item)
+        ss = self.sets.get(resp.ps_id)
+        if resp.op in (PROCESS_SET_ADD, PROCESS_SET_REMOVE):
+            return resp
+        if ss is None or (not ss.member and self.coordinator is None):
+            return None
+        if (ss.cache.enabled and resp.op in CACHEABLE and not resp.error and not resp.joined):
+            for single in resp.split():
+                ss.cache.put(single)
+        return resp
+
+    def _execute(self, resp: Response) -> None:
+        op = resp.op
+        if op in (PROCESS_SET_ADD, PROCESS_SET_REMOVE):
+            self._apply_process_set_op(resp)
+            return
+        ss = self.sets[resp.ps_id]
+        if not ss.member:
+            return
+        with self.lock:
+            entries = [self.table.pop((resp.ps_id, n), None) for n in resp.names]
+        self.stats["responses"] += 1
+        if len(resp.names) > 1:
+            self.stats["fused_responses"] += 1
+        if op == ERROR:
+            for e in entries:
+                if e is not None:
+                    e.handle._complete(e.index, error=resp.error)
+            return
+        if op == JOIN:
+            for e in entries:
+                if e is not None:
+                    e.handle._complete(e.index, resp.last_joined)
+            return
+        assert ss.view is not None
+        if op == BROADCAST:
+            resp = _with_root(resp, ss.ranks.index(resp.root))
+        results = ops.execute(resp, entries, ss.view, self.buffers, self.fusion_threshold)
+        for e, r in zip(entries, results):
+            if e is not None:
+                e.handle._complete(e.index, r)
+
+    def _apply_process_set_op(self, resp: Response) -> None:
+        with self.lock:
+            entries = [self.table.pop((0, n), None) for n in resp.names]
+        if resp.error:
+            for e in entries:
+                if e is not None:
+                    e.handle._complete(e.index, error=resp.error)
+            return
+        if resp.op == PROCESS_SET_ADD:
+            ps_id, ranks = resp.extra  # type: ignore[misc]
+            self._register(ps_id, ranks)
+            result: Any = ps_id
+        else:
+            ps_id = resp.extra  # type: ignore[assignment]
+            self.sets.pop(ps_id, None)
+            self._close_table(f"process set {ps_id} was removed", only_set=ps_id)
+            result = True
+        for e in entries:
+            if e is not None:
+                e.handle._complete(e.index, result)
+
+    def _register(self, ps_id: int, ranks: Sequence[int]) -> None:
+        self.sets[ps_id] = SetState(ps_id, ranks, self.transport, self.cache_capacity,
+                                    coordinator=self.rank == 0)
+
+    def _close_table(self, reason: str, only_set: int | None = None) -> None:
+        with self.lock:
+            if only_set is None and self.closed is None:
+                self.closed = reason
+            doomed = [k for k in self.table if only_set is None or k[0] == only_set]
+            entries = [self.table.pop(k) for k in doomed]
+        for e in entries:
+            e.handle._complete(e.index, error=reason)
+
+
+def _with_root(resp: Response, set_root: int) -> Response:
+    r = Response.from_wire(resp.wire())
+    r.root = set_root
+    return r
+
+
+def _merge(parts: list[Response]) -> Response:
+    if len(parts) == 1:
+        return parts[0]
+    head = parts[0]
+    merged = Response.from_wire(head.wire())
+    merged.names = [n for p in parts for n in p.names]
+    merged.shapes = [s for p in parts for s in p.shapes]
+    if head.dim0s is not None:
+        merged.dim0s = [d for p in parts for d in (p.dim0s or [])]
+    return merged
+
+
+# ====================================================================================== coordinator
+class _Pending:
+    __slots__ = ("reqs", "cids", "t0", "ready", "warned")
+
+    def __init__(self, t0: float) -> None:
+        self.reqs: dict[int, Request] = {}
+        self.cids: dict[int, int | None] = {}
+        self.t0 = t0
+        self.ready = False
+        self.warned = False
+
+
+class _Coordinator:
+    """Negotiation on global rank 0 for every process set."""
+
+    def __init__(self, engine: Engine, stall_check: float, stall_shutdown: float,
+                 first_free: int) -> None:
+        self.e = engine
+        self.tables: dict[int, dict[str, _Pending]] = {}
+        self.ready: list[tuple[int, str]] = []
+        self.joined: dict[int, None] = {}      # global ranks joined, in join order
+        self.shutdown_why: str | None = None
+        self.last_emit = -1e9
+        self.stall_check = stall_check
+        self.stall_shutdown = stall_shutdown if stall_shutdown > stall_check else 0.0
+        self.next_stall = engine.clock() + stall_check if stall_check > 0 else float("inf")
+        self.resend: dict[int, list[tuple[int, int]]] = {}
+        self.next_ps_id = first_free
+        self.free_ids: list[int] = []
+
+    # ----------------------------------------------------------- inputs
+    def on_message(self, peer: int, msg: tuple) -> None:
+        tag = msg[0]
+        if tag == "Q":
+            for item in msg[1]:
+                if item[0] == "H":
+                    ps_id, cid = int(item[1]), int(item[2])
+                    ss = self.e.sets.get(ps_id)
+                    resp = ss.cache.resolve(cid) if ss is not None else None
+                    if resp is None or ss is None:
+                        self.resend.setdefault(peer, []).append((ps_id, cid))
+                        continue
+                    sig = resp.request_for(ss.ranks.index(peer))
+                    req = Request(ps_id, resp.names[0], *sig[:8], group=resp.group, extra=sig[8])
+                    self.add(peer, req, cid)
+                else:
+                    self.add(peer, Request.from_wire(item[1]), None)
+        elif tag == "S":
+            if self.shutdown_why is None:
+                self.shutdown_why = str(msg[1])
+            self.e.closing = True
+        elif tag == "A":
+            self.e._abort(str(msg[1]))
+
+    def add(self, rank: int, req: Request, cid: int | None) -> None:
+        if req.op == JOIN:
+            self.joined.pop(rank, None)
+            self.joined[rank] = None
+            for name, p in self.tables.get(0, {}).items():
+                self._check_ready(0, name, p)
+            if len(self.joined) == self.e.size:
+                self.ready.append((0, "__join__"))
+            return
+        table = self.tables.setdefault(req.ps_id, {})
+        p = table.get(req.name)
+        if p is None:
+            p = table[req.name] = _Pending(self.e.clock())
+        p.reqs[rank] = req
+        p.cids[rank] = cid
+        self._check_ready(req.ps_id, req.name, p)
+
+    def _check_ready(self, ps_id: int, name: str, p: _Pending) -> None:
+        if p.ready:
+            return
+        ss = self.e.sets.get(ps_id)
+        if ss is None:
+            need = 0
+        else:
+            need = len(ss.ranks)
+            if ps_id == 0:
+                need -= len(self.joined)
+        if len(p.reqs) >= need:
+            p.ready = True
+            self.ready.append((ps_id, name))
+
+    # ----------------------------------------------------------- scheduling
+    def timeout(self) -> float | None:
+        now = self.e.clock()
+        waits = []
+        if self.ready or self.shutdown_why is not None or self.resend:
+            waits.append(max(0.0, self.last_emit + self.e.cycle_s - now))
+        if self.next_stall != float("inf") and any(self.tables.values()):
+            waits.append(max(0.0, self.next_stall - now))
+        return min(waits) if waits else None
+
+    def maybe_emit(self) -> tuple | None:
+        e = self.e
+        now = e.clock()
+        if self.resend:
+            for peer, wanted in self.resend.items():
+                e.transport.send_ctrl(peer, encode(("RESEND", wanted)))
+            self.resend = {}
+        if now >= self.next_stall:
+            self._stall_check(now)
+        if not self.ready and self.shutdown_why is None:
+            return None
+        if now < self.last_emit + e.cycle_s and self.shutdown_why is None:
+            return None
+        self.last_emit = now
+        built = [self._build(ps_id, name) for ps_id, name in self.ready]
+        self.ready = []
+        items = self._fuse(built)
+        msg = ("P", items, self.shutdown_why)
+        if e.size > 1:
+            wire = encode(msg)
+            for p in range(1, e.size):
+                e.transport.send_ctrl(p, wire)
+        return msg
+
+    # ----------------------------------------------------------- building responses
+    def _build(self, ps_id: int, name: str) -> tuple[Response, int | None]:
+        if name == "__join__":
+            last = next(reversed(self.joined))
+            self.joined = {}
+            return Response(JOIN, 0, ["join.noname"], last_joined=last), None
+        p = self.tables[ps_id].pop(name)
+        ss = self.e.sets.get(ps_id)
+        joined = tuple(r for r in self.joined if ps_id == 0)
+        if ss is None:
+            return Response(ERROR, ps_id, [name], error=(
+                f"{name}: process set {ps_id} does not exist (it was removed or never added)")
+            ), None
+        cids = set(p.cids.values())
+        if (ss.cache.enabled and not joined and len(cids) == 1 and None not in cids
+                and len(p.reqs) == len(ss.ranks)):
+            cid = cids.pop()
+            assert cid is not None
+            cached = ss.cache.live.get(cid)
+            if cached is not None:
+                return cached, cid
+        return _validate(ss, name, p, joined, self), None
+
+    def _fuse(self, built: list[tuple[Response, int | None]]) -> list[tuple]:
+        e = self.e
+        threshold = e.fusion_threshold
+        out: list[tuple] = []
+        rest = list(built)
+        while rest:
+            head, hcid = rest.pop(0)
+            group = [(head, hcid)]
+            if head.op in FUSIBLE and not head.error and threshold > 0:
+                item = DTYPE_OF_CODE[head.dtype].itemsize
+                acc = head.nbytes(item)
+                skipped = 0
+                keep = []
+                for cand in rest:
+                    r = cand[0]
+                    nb = r.nbytes(item) if r.op in FUSIBLE and not r.error else 0
+                    if acc + skipped > threshold:
+                        keep.append(cand)
+                        continue
+                    if (r.op == head.op and r.ps_id == head.ps_id and r.dtype == head.dtype
+                            and r.reduce_op == head.reduce_op and r.prescale == head.prescale
+                            and r.postscale == head.postscale and r.joined == head.joined
+                            and r.device == head.device and not r.error
+                            and (not e.disable_group_fusion or r.group == head.group)
+                            and acc + nb <= threshold):
+                        group.append(cand)
+                        acc += nb
+                    else:
+                        keep.append(cand)
+                        skipped += nb
+                rest = keep
+            if all(c is not None for _, c in group) and len(group) >= 1 and group[0][1] is not None:
+                out.append(("K", head.ps_id, [c for _, c in group]))
+            else:
+                out.append(_merge([r for r, _ in group]).wire())
+        return out
+
+    # ----------------------------------------------------------- stall inspector
+    def _stall_check(self, now: float) -> None:
+        self.next_stall = now + self.stall_check
+        lines = []
+        fatal = False
+        for ps_id, table in self.tables.items():
+            ss = self.e.sets.get(ps_id)
+            if ss is None:
+                continue
+            for name, p in table.items():
+                waited = now - p.t0
+                if p.ready or waited < self.stall_check:
+                    continue
+                missing = [r for r in ss.ranks if r not in p.reqs and r not in self.joined]
+                if not missing:
+                    continue
+                over = self.stall_shutdown and waited >= self.stall_shutdown
+                fatal = fatal or bool(over)
+                op = next(iter(p.reqs.values())).op
+                lines.append(f"  {display_name(op, name)}: submitted by ranks "
+                             f"{sorted(p.reqs)}, waiting {waited:.0f} s for ranks {missing}"
+                             f"{' (over the shutdown limit)' if over else ''}")
+        if not lines:
+            return
+        text = ("Stall: some ranks submitted collectives that other ranks have not submitted. "
+                "Different ranks may be calling different collectives, or only some ranks (for "
+                "example inside `if hvd.rank() == 0:`) reach this collective:\n" + "\n".join(lines))
+        if fatal:
+            self.e._abort(text + f"\nAborting: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
+                          f"{self.stall_shutdown:g} exceeded.")
+        else:
+            logger.warning(text)
+
+
+def _fmt_shape(shape: tuple[int, ...]) -> str:
+    return str(tuple(shape)).replace(",)", ")")
+
+
+def _validate(ss: SetState, name: str, p: _Pending, joined: tuple[int, ...],
+              coord: _Coordinator) -> Response:
+    reqs = sorted(p.reqs.items())
+    r0, q0 = reqs[0]
+    what = display_name(q0.op, name)
+
+    def err(text: str) -> Response:
+        return Response(ERROR, ss.id, [name], error=text)
+
+    def mismatch(field: str, a: object, r: int, b: object, fix: str) -> Response:
+        return err(f"{what}: {field} {a} on rank {r0} but {b} on rank {r}; {fix}")
+
+    for r, q in reqs[1:]:
+        if q.op != q0.op:
+            return err(f"tensor '{name}': rank {r0} called {OP_NAMES.get(q0.op)} but rank {r} "
+                       f"called {OP_NAMES.get(q.op)}; every rank must call the same collective "
+                       "for the same name")
+    op = q0.op
+    for r, q in reqs[1:]:
+        if q.dtype != q0.dtype:
+            return mismatch("dtype", NAME_OF_CODE[q0.dtype], r, NAME_OF_CODE[q.dtype],
+                            "every rank must submit the same dtype")
+        if op in (ALLREDUCE, BROADCAST, REDUCESCATTER) and q.shape != q0.shape:
+            return mismatch("shape", _fmt_shape(q0.shape), r, _fmt_shape(q.shape),
+                            "every rank must submit the same shape")
+        if op in (ALLGATHER, ALLTOALL):
+            if len(q.shape) != len(q0.shape):
+                return mismatch("number of dimensions", len(q0.shape), r, len(q.shape),
+                                "every rank must submit tensors of the same rank")
+            if q.shape[1:] != q0.shape[1:]:
+                return mismatch("shape", _fmt_shape(q0.shape), r, _fmt_shape(q.shape),
+                                "only the first dimension may differ between ranks")
+        if q.reduce_op != q0.reduce_op and op in (ALLREDUCE, REDUCESCATTER):
+            return mismatch("reduce op", REDUCE_NAMES.get(q0.reduce_op), r,
+                            REDUCE_NAMES.get(q.reduce_op), "every rank must pass the same op=")
+        if (q.prescale, q.postscale) != (q0.prescale, q0.postscale):
+            return mismatch("(prescale_factor, postscale_factor)", (q0.prescale, q0.postscale),
+                            r, (q.prescale, q.postscale), "every rank must pass the same factors")
+        if op == BROADCAST and q.root != q0.root:
+            return mismatch("root_rank", q0.root, r, q.root,
+                            "every rank must pass the same root_rank")
+        if q.device != q0.device:
+            dev = {-1: "CPU"}
+            return mismatch("device", dev.get(q0.device, f"GPU {q0.device}"), r,
+                            dev.get(q.device, f"GPU {q.device}"),
+                            "every rank must keep this tensor on the same kind of device")
+        if q.extra != q0.extra:
+            return mismatch("argument", q0.extra, r, q.extra,
+                            "every rank must pass the same arguments, in the same order")
+    if joined and op in (ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER):
+        return err(f"{what}: not possible while ranks {list(joined)} have called join(); only "
+                   "allreduce and barrier run with joined ranks")
+    if op in (ALLGATHER, ALLTOALL, REDUCESCATTER) and len(q0.shape) == 0:
+        return err(f"{what}: needs a tensor with at least one dimension, got a scalar")
+    if op == PROCESS_SET_ADD:
+        ranks = tuple(q0.extra)  # type: ignore[arg-type]
+        for other in ss_all(coord):
+            if tuple(other.ranks) == ranks:
+                return err(f"add_process_set: a process set with ranks {list(ranks)} already "
+                           f"exists (id {other.id})")
+        if coord.free_ids:
+            new_id = coord.free_ids.pop(0)
+        else:
+            new_id = coord.next_ps_id
+            coord.next_ps_id += 1
+        return Response(PROCESS_SET_ADD, 0, [name], extra=(new_id, list(ranks)))
+    if op == PROCESS_SET_REMOVE:
+        ps_id = int(q0.extra)  # type: ignore[arg-type]
+        if ps_id == 0 or ps_id not in coord.e.sets:
+            return err(f"remove_process_set: process set {ps_id} does not exist")
+        coord.free_ids.append(ps_id)
+        return Response(PROCESS_SET_REMOVE, 0, [name], extra=ps_id)
+    resp = Response(op, ss.id, [name], q0.dtype, [q0.shape], q0.reduce_op, q0.root, q0.prescale,
+                    q0.postscale, joined=joined, group=q0.group, device=q0.device)
+    if op == ALLGATHER:
+        by_rank = dict(reqs)
+        resp.dim0s = [[by_rank[r].shape[0] for r in ss.ranks]]
+    if op == BARRIER:
+        resp.shapes = [()]
+    return resp
+
+
+def ss_all(coord: _Coordinator) -> list[SetState]:
+    return list(coord.e.sets.values())

@@ -1,0 +1,231 @@
+"""Execution of one response on this rank: fusion-buffer copies, scaling, the collective
+algorithm, copies out. All ranks of the process set run the same responses in the same order.
+
+Entries missing on this rank belong to ranks that have joined: they contribute zeros to an
+allreduce (and take part in a barrier); the coordinator refuses other collectives while ranks
+are joined, so no other op reaches here without an entry.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from horovod.collectives import algorithms as alg
+from horovod.common.dtypes import DTYPE_OF_CODE
+from horovod.core.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER, BROADCAST,
+                                   MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Response)
+from horovod.transport.base import as_bytes
+
+if TYPE_CHECKING:
+    from horovod.core.engine import Entry
+
+UFUNCS = {SUM: np.add, AVERAGE: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}
+
+
+class Buffers:
+    """The fusion buffer and the algorithms' scratch space, reused across cycles. The fusion
+    buffer grows to the largest fused payload seen (never above the fusion threshold) and is
+    otherwise never reallocated."""
+
+    def __init__(self) -> None:
+        self.fusion = alg.Scratch()
+        self.scratch = alg.Scratch()
+        self.fusion_allocations = 0
+
+    def fusion_view(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        before = self.fusion.nbytes
+        view = self.fusion.get(nbytes, dtype)
+        if self.fusion.nbytes != before:
+            self.fusion_allocations += 1
+        return view
+
+
+def scale(buf: np.ndarray, factor: float) -> None:
+    """In-place ``buf *= factor`` with upstream's numerics: float math in the buffer's type
+    (float16 via float32), integers in float64 truncated toward zero."""
+    if factor == 1.0 or buf.size == 0:
+        return
+    kind = buf.dtype.kind
+    if kind == "f" and buf.dtype.itemsize >= 4:
+        np.multiply(buf, buf.dtype.type(factor), out=buf)
+    elif kind in "iu":
+        np.copyto(buf, np.trunc(buf.astype(np.float64) * factor), casting="unsafe")
+    else:  # float16, bfloat16
+        np.copyto(buf, buf.astype(np.float32) * np.float32(factor), casting="unsafe")
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1)
+
+
+def _bytes(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint8)
+
+
+def execute(resp: Response, entries: Sequence[Entry | None], t, buffers: Buffers,
+            fusion_threshold: int) -> list[object]:
+    """Run ``resp`` over transport view ``t``; return one result per entry (the output array,
+    or for alltoall ``(output, received_splits)``)."""
+    op = resp.op
+    if op == ALLREDUCE:
+        return _allreduce(resp, entries, t, buffers)
+    if op == ALLGATHER:
+        return _allgather(resp, entries, t, buffers)
+    if op == BROADCAST:
+        return _broadcast(resp, entries, t)
+    if op == ALLTOALL:
+        return _alltoall(resp, entries, t)
+    if op == REDUCESCATTER:
+        return _reducescatter(resp, entries, t, buffers)
+    if op == BARRIER:
+        alg.barrier(t)
+        return [None] * len(entries)
+    raise AssertionError(f"no executor for op {op}")
+
+
+def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers) -> list:
+    dtype = DTYPE_OF_CODE[resp.dtype]
+    counts = [math.prod(s) for s in resp.shapes]
+    post = resp.postscale / t.size if resp.reduce_op == AVERAGE else resp.postscale
+    reducer = UFUNCS[resp.reduce_op]
+    if len(entries) == 1:
+        e = entries[0]
+        if e is None:
+            buf = bufs.fusion_view(counts[0] * dtype.itemsize, dtype)
+            buf.fill(0)
+        else:
+            buf = _flat(e.output)
+            if e.output is not e.array:
+                np.copyto(buf, _flat(e.array))
+        scale(buf, resp.prescale)
+        alg.allreduce(t, buf, reducer, bufs.scratch)
+        scale(buf, post)
+        return [None if e is None else e.output]
+    total = sum(counts)
+    buf = bufs.fusion_view(total * dtype.itemsize, dtype)
+    off = 0
+    for e, c in zip(entries, counts):
+        seg = buf[off:off + c]
+        if e is None:
+            seg.fill(0)
+        else:
+            np.copyto(seg, _flat(e.array))
+        off += c
+    scale(buf, resp.prescale)
+    alg.allreduce(t, buf, reducer, bufs.scratch)
+    scale(buf, post)
+    off = 0
+    results: list = []
+    for e, c in zip(entries, counts):
+        if e is not None:
+            np.copyto(_flat(e.output), buf[off:off + c])
+            results.append(e.output)
+        else:
+            results.append(None)
+        off += c
+    return results
+
+
+def _allgather(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers) -> list:
+    dtype = DTYPE_OF_CODE[resp.dtype]
+    assert resp.dim0s is not None
+    n, me = t.size, t.rank
+    rows = [math.prod(s[1:]) for s in resp.shapes]  # elements per first-dim row
+    outputs = []
+    for e, s, d0 in zip(entries, resp.shapes, resp.dim0s):
+        assert e is not None
+        outputs.append(e.alloc((sum(d0),) + tuple(s[1:]), dtype))
+    if len(entries) == 1:
+        e, out = entries[0], outputs[0]
+        nbytes = [d * rows[0] * dtype.itemsize for d in resp.dim0s[0]]
+        flat = _bytes(out)
+        start = sum(nbytes[:me])
+        flat[start:start + nbytes[me]] = _bytes(e.array)
+        alg.allgatherv(t, flat, nbytes)
+        return outputs
+    # Fused: rank-major blocks, each block tensor-major.
+    per_rank = [sum(d0[r] * rows[i] for i, d0 in enumerate(resp.dim0s)) * dtype.itemsize
+                for r in range(n)]
+    buf = bufs.fusion_view(sum(per_rank), np.dtype(np.uint8))
+    block_start = [sum(per_rank[:r]) for r in range(n)]
+    off = block_start[me]
+    for e in entries:
+        b = _bytes(e.array)
+        buf[off:off + b.size] = b
+        off += b.size
+    alg.allgatherv(t, buf, per_rank)
+    for r in range(n):
+        off = block_start[r]
+        for i, out in enumerate(outputs):
+            nb = resp.dim0s[i][r] * rows[i] * dtype.itemsize
+            dst_off = sum(resp.dim0s[i][:r]) * rows[i] * dtype.itemsize
+            _bytes(out)[dst_off:dst_off + nb] = buf[off:off + nb]
+            off += nb
+    return outputs
+
+
+def _broadcast(resp: Response, entries: Sequence[Entry | None], t) -> list:
+    e = entries[0]
+    assert e is not None
+    if e.output is not e.array:
+        np.copyto(e.output, e.array)
+    alg.broadcast(t, _flat(e.output), resp.root)
+    return [e.output]
+
+
+def _alltoall(resp: Response, entries: Sequence[Entry | None], t) -> list:
+    e = entries[0]
+    assert e is not None
+    dtype = DTYPE_OF_CODE[resp.dtype]
+    shape = tuple(e.array.shape)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    splits = e.splits
+    received = alg.exchange_counts(t, splits)
+    out = e.alloc((sum(received),) + shape[1:], dtype)
+    src = as_bytes(e.array)
+    dst = as_bytes(out)
+    sends, recvs = [], []
+    so = ro = 0
+    for p in range(t.size):
+        sends.append(src[so:so + splits[p] * row_bytes])
+        recvs.append(dst[ro:ro + received[p] * row_bytes])
+        so += splits[p] * row_bytes
+        ro += received[p] * row_bytes
+    alg.alltoallv(t, sends, recvs)
+    return [(out, np.asarray(received, dtype=np.int32))]
+
+
+def _reducescatter(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers) -> list:
+    dtype = DTYPE_OF_CODE[resp.dtype]
+    n, me = t.size, t.rank
+    post = resp.postscale / n if resp.reduce_op == AVERAGE else resp.postscale
+    row_counts = [alg.split_even(s[0], n) for s in resp.shapes]
+    rows = [math.prod(s[1:]) for s in resp.shapes]
+    seg = [sum(rc[r] * rows[i] for i, rc in enumerate(row_counts)) for r in range(n)]
+    buf = bufs.fusion_view(sum(seg) * dtype.itemsize, dtype)
+    if len(entries) == 1:
+        np.copyto(buf, _flat(entries[0].array))  # natural layout is already by destination
+    else:
+        off = 0
+        for r in range(n):
+            for i, e in enumerate(entries):
+                start = sum(row_counts[i][:r]) * rows[i]
+                cnt = row_counts[i][r] * rows[i]
+                np.copyto(buf[off:off + cnt], _flat(e.array)[start:start + cnt])
+                off += cnt
+    scale(buf, resp.prescale)
+    mine = alg.reduce_scatter(t, buf, seg, UFUNCS[resp.reduce_op], bufs.scratch)
+    scale(mine, post)
+    results = []
+    off = 0
+    for i, (e, s) in enumerate(zip(entries, resp.shapes)):
+        out = e.alloc((row_counts[i][me],) + tuple(s[1:]), dtype)
+        cnt = row_counts[i][me] * rows[i]
+        np.copyto(_flat(out), mine[off:off + cnt])
+        off += cnt
+        results.append(out)
+    return results

@@ -1,0 +1,12 @@
+"""``import horovod.numpy as hvd``: the framework-free Horovod API on NumPy arrays.
+
+It is the reference frontend: every collective in its sync, ``_async``, in-place ``_`` and
+grouped forms, handles (``poll``/``synchronize``), join, barrier, object collectives, process
+sets and compression, with the semantics of upstream's ``horovod.torch`` applied to arrays.
+"""
+
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.frontend import *  # noqa: F403
+from horovod.frontend import __all__ as _frontend_all
+
+__all__ = list(_frontend_all) + ["HostsUpdatedInterrupt"]
