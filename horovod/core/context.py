@@ -108,17 +108,21 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
         else:
             _process_ctx = new
             if not _atexit_registered:
-                atexit.register(shutdown)
+                atexit.register(_shutdown_at_exit)
                 _atexit_registered = True
     return new
 
 
-def shutdown() -> None:
+def _shutdown_at_exit() -> None:
+    shutdown(why="exited")
+
+
+def shutdown(why: str = "called shutdown()") -> None:
     global _process_ctx
     ctx = current()
     if ctx is None:
         return
-    ctx.stop()
+    ctx.stop(why)
     if _spec.get() is not None:
         _thread_ctx.set(None)
     elif _process_ctx is ctx:
@@ -221,7 +225,8 @@ class Context:
         if cfg.size == 1:
             return [mine]
         store.set(scope, f"info.{cfg.rank}", encode(("I",) + mine))
-        raw = store.wait(scope, [f"info.{r}" for r in range(cfg.size)], cfg.timeout_seconds)
+        raw = store.wait(scope, [f"info.{r}" for r in range(cfg.size)],
+                          max(cfg.start_timeout, cfg.timeout_seconds))
         infos = [decode(b)[1:] for b in raw]
         for r, info in enumerate(infos):
             if info[5] != sets:
@@ -235,11 +240,11 @@ class Context:
     def new_handle(self) -> int:
         return next(self._handle_ids)
 
-    def stop(self) -> None:
+    def stop(self, why: str = "called shutdown()") -> None:
         if self.stopped:
             return
         self.stopped = True
-        self.engine.stop(timeout=max(10.0, self.config.timeout_seconds))
+        self.engine.stop(why, timeout=max(10.0, self.config.timeout_seconds))
         for ps_id, ps in list(self.public_sets.items()):
             if ps_id != 0 and ps.process_set_id == ps_id:
                 ps.process_set_id = None

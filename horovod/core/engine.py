@@ -179,15 +179,15 @@ class Engine:
                 self.table[k] = e
         self.inbox.put(("sub", entries))
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, why: str, timeout: float) -> None:
         """Clean shutdown of this rank (propagates to every rank)."""
         if self._thread.is_alive():
-            self.inbox.put(("shutdown",))
+            self.inbox.put(("shutdown", f"rank {self.rank} {why}"))
             self._thread.join(timeout)
             if self._thread.is_alive():
                 self._abort(f"rank {self.rank} could not shut down cleanly within {timeout:g} s")
                 self._thread.join(5)
-        self._close_table(shutdown_message(f"rank {self.rank} called shutdown()"))
+        self._close_table(shutdown_message(f"rank {self.rank} {why}"))
         self.transport.close()
 
     def alive(self) -> bool:
@@ -300,10 +300,11 @@ class Engine:
             elif kind == "shutdown":
                 self.closing = True
                 if self.coordinator is not None:
-                    self.coordinator.shutdown_why = f"rank {self.rank} called shutdown()"
+                    if self.coordinator.shutdown_why is None:
+                        self.coordinator.shutdown_why = ev[1]
                 elif not self._shutdown_asked:
                     self._shutdown_asked = True
-                    self.transport.send_ctrl(0, encode(("S", f"rank {self.rank} called shutdown()")))
+                    self.transport.send_ctrl(0, encode(("S", ev[1])))
             elif kind == "abort":
                 return False
         if self.closed is not None:

@@ -1,0 +1,2 @@
+"""The launcher side: ``horovodrun`` (``horovod.runner.launch``), host parsing and placement,
+worker processes. It never imports the training runtime."""

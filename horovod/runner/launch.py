@@ -1,0 +1,261 @@
+"""``horovodrun``: start a training job's worker processes.
+
+    horovodrun -np 4 python train.py
+    horovodrun -np 4 -H localhost:4 --fusion-threshold-mb 32 python train.py
+
+The launcher never imports the training runtime. It hosts the rendezvous store, makes a fresh
+secret for the job (handed to workers through their environment, never on a command line),
+starts one process per slot with upstream's ``HOROVOD_*`` environment contract, prefixes their
+output with ``[rank]<stdout>:``/``[rank]<stderr>:``, stops every worker on the first failure or
+on Ctrl-C/SIGTERM, and prints the root cause last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import sys
+from collections.abc import Sequence
+
+from horovod import __version__
+from horovod.common.config import LOG_LEVELS
+from horovod.common.secret import make_secret
+from horovod.rendezvous.server import RendezvousServer
+from horovod.runner.hosts import assign_slots, is_local, parse_hostfile, parse_hosts
+from horovod.runner.procs import Job
+
+# Names never copied from the launcher's environment into workers (upstream's rule).
+_NOT_EXPORTED = re.compile(r"^(BASH_FUNC_.*|OLDPWD|.*CUDA_VISIBLE_DEVICES|HOROVOD_SECRET_KEY)$")
+
+
+def _nonneg(kind: type):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+        return v
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="horovodrun",
+        description="Launch a Horovod training job (pyhorovod).",
+        epilog="Example: horovodrun -np 2 python examples/numpy_digits.py")
+    p.add_argument("-v", "--version", action="version", version=f"pyhorovod {__version__}")
+    p.add_argument("-np", "--num-proc", dest="np", type=_nonneg(int),
+                   help="number of worker processes")
+    p.add_argument("-cb", "--check-build", action="store_true",
+                   help="show which frameworks, controllers and operations are available")
+    p.add_argument("--disable-cache", action="store_true", help="accepted for compatibility")
+    p.add_argument("--start-timeout", type=_nonneg(float),
+                   help="seconds every rank may take to reach hvd.init() (default: "
+                        "HOROVOD_START_TIMEOUT or 30)")
+    p.add_argument("--verbose", action="store_true", help="print what the launcher does")
+    p.add_argument("--output-filename", help="also write each rank's output to "
+                                             "DIR/rank.N/stdout and stderr")
+    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
+                   help="prefix each output line with the time")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default localhost:NP)")
+    hosts.add_argument("-hostfile", "--hostfile", help="file of lines '<host> slots=<n>'")
+    ctl = p.add_mutually_exclusive_group()
+    ctl.add_argument("--gloo", action="store_true", help="use the built-in TCP engine (default)")
+    ctl.add_argument("--mpi", action="store_true", help="use MPI (not available in this build)")
+    tun = p.add_argument_group("tunables")
+    tun.add_argument("--fusion-threshold-mb", type=_nonneg(int),
+                     help="Tensor Fusion buffer in MiB (default 128; 0 disables fusion)")
+    tun.add_argument("--cycle-time-ms", type=_nonneg(float),
+                     help="minimum ms between negotiation rounds under load (default 1)")
+    tun.add_argument("--cache-capacity", type=_nonneg(int),
+                     help="response cache entries (default 1024; 0 disables)")
+    for flag in ("hierarchical-allreduce", "hierarchical-allgather", "torus-allreduce"):
+        g = tun.add_mutually_exclusive_group()
+        dest = flag.replace("-", "_")
+        g.add_argument(f"--{flag}", dest=dest, action="store_true", default=None)
+        g.add_argument(f"--no-{flag}", dest=dest, action="store_false")
+    at = p.add_argument_group("autotune")
+    at.add_argument("--autotune", action="store_true", default=None)
+    at.add_argument("--no-autotune", dest="autotune", action="store_false",
+                    help=argparse.SUPPRESS)
+    at.add_argument("--autotune-log-file")
+    at.add_argument("--autotune-warmup-samples", type=_nonneg(int))
+    at.add_argument("--autotune-steps-per-sample", type=_nonneg(int))
+    at.add_argument("--autotune-bayes-opt-max-samples", type=_nonneg(int))
+    at.add_argument("--autotune-gaussian-process-noise", type=_nonneg(float))
+    tl = p.add_argument_group("timeline")
+    tl.add_argument("--timeline-filename")
+    tl.add_argument("--timeline-mark-cycles", action="store_true", default=None)
+    st = p.add_argument_group("stall check")
+    st.add_argument("--no-stall-check", dest="stall_check", action="store_false", default=None)
+    st.add_argument("--stall-check", dest="stall_check", action="store_true",
+                    help=argparse.SUPPRESS)
+    st.add_argument("--stall-check-warning-time-seconds", type=_nonneg(float))
+    st.add_argument("--stall-check-shutdown-time-seconds", type=_nonneg(float))
+    lib = p.add_argument_group("library")
+    lib.add_argument("--gloo-timeout-seconds", type=_nonneg(float),
+                     help="seconds allowed for connection set-up (default 30)")
+    lib.add_argument("--network-interfaces", "--network-interface", dest="nics",
+                     help="interface the workers listen on (e.g. lo, eth0)")
+    lib.add_argument("--mpi-threads-disable", action="store_true", default=None)
+    lib.add_argument("--num-nccl-streams", type=_nonneg(int))
+    lib.add_argument("--thread-affinity", type=_nonneg(int))
+    lib.add_argument("--tcp", action="store_true", help="accepted for compatibility")
+    lg = p.add_argument_group("logging")
+    lg.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper)
+    lg.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_hide_time",
+                    action="store_true", default=None)
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
+    return p
+
+
+def env_from_args(a: argparse.Namespace) -> dict[str, str]:
+    """Launcher flags -> worker HOROVOD_* variables (only for flags that were given)."""
+    env: dict[str, str] = {}
+
+    def put(var: str, value: object) -> None:
+        if value is not None:
+            env[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+    put("HOROVOD_FUSION_THRESHOLD",
+        None if a.fusion_threshold_mb is None else a.fusion_threshold_mb * 1024 * 1024)
+    put("HOROVOD_CYCLE_TIME", None if a.cycle_time_ms is None else float(a.cycle_time_ms))
+    put("HOROVOD_CACHE_CAPACITY", a.cache_capacity)
+    put("HOROVOD_HIERARCHICAL_ALLREDUCE", a.hierarchical_allreduce)
+    put("HOROVOD_HIERARCHICAL_ALLGATHER", a.hierarchical_allgather)
+    put("HOROVOD_TORUS_ALLREDUCE", a.torus_allreduce)
+    if a.autotune:
+        put("HOROVOD_AUTOTUNE", True)
+        put("HOROVOD_AUTOTUNE_LOG", a.autotune_log_file)
+        put("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", a.autotune_warmup_samples)
+        put("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", a.autotune_steps_per_sample)
+        put("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", a.autotune_bayes_opt_max_samples)
+        put("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", a.autotune_gaussian_process_noise)
+    if a.timeline_filename:
+        put("HOROVOD_TIMELINE", a.timeline_filename)
+        put("HOROVOD_TIMELINE_MARK_CYCLES", a.timeline_mark_cycles)
+    if a.stall_check is not None:
+        put("HOROVOD_STALL_CHECK_DISABLE", not a.stall_check)
+    put("HOROVOD_STALL_CHECK_TIME_SECONDS", a.stall_check_warning_time_seconds)
+    put("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", a.stall_check_shutdown_time_seconds)
+    put("HOROVOD_GLOO_TIMEOUT_SECONDS", a.gloo_timeout_seconds)
+    put("HOROVOD_START_TIMEOUT", a.start_timeout)
+    put("HOROVOD_MPI_THREADS_DISABLE", a.mpi_threads_disable)
+    put("HOROVOD_NUM_NCCL_STREAMS", a.num_nccl_streams)
+    put("HOROVOD_THREAD_AFFINITY", a.thread_affinity)
+    put("HOROVOD_LOG_LEVEL", a.log_level)
+    put("HOROVOD_LOG_HIDE_TIME", a.log_hide_time)
+    if a.tcp:
+        env["NCCL_IB_DISABLE"] = "1"
+    return env
+
+
+def check_build() -> str:
+    def mark(ok: bool) -> str:
+        return "[X]" if ok else "[ ]"
+
+    def have(mod: str) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec(mod) is not None
+
+    frameworks = [("TensorFlow", have("horovod.tensorflow") and have("tensorflow")),
+                  ("PyTorch", have("horovod.torch") and have("torch")),
+                  ("MXNet", have("horovod.mxnet") and have("mxnet")),
+                  ("NumPy", True)]
+    lines = [f"Horovod v{__version__} (pyhorovod):", "", "Available Frameworks:"]
+    lines += [f"    {mark(ok)} {name}" for name, ok in frameworks]
+    lines += ["", "Available Controllers:", f"    {mark(False)} MPI", f"    {mark(True)} Gloo",
+              "", "Available Tensor Operations:"]
+    lines += [f"    {mark(n == 'Gloo')} {n}" for n in ("NCCL", "DDL", "CCL", "MPI", "Gloo")]
+    return "\n".join(lines)
+
+
+def _error(msg: str) -> int:
+    print(f"horovodrun: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.check_build:
+        print(check_build())
+        return 0
+    if a.np is None:
+        return _error("-np/--num-proc is required (the number of worker processes)")
+    if a.np == 0:
+        return _error("-np must be at least 1")
+    command = list(a.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        return _error("no training command given, e.g. horovodrun -np 2 python train.py")
+    if a.mpi:
+        return _error("--mpi is not available in this build; the default (--gloo) engine needs "
+                      "no MPI")
+    try:
+        hosts = (parse_hostfile(a.hostfile) if a.hostfile else
+                 parse_hosts(a.hosts) if a.hosts else parse_hosts(f"localhost:{a.np}"))
+        slots = assign_slots(hosts, a.np)
+    except (OSError, ValueError) as e:
+        return _error(str(e))
+    remote = sorted({s.hostname for s in slots if not is_local(s.hostname)})
+    if remote:
+        return _error(f"host(s) {', '.join(remote)} are not this machine; this version runs "
+                      "jobs on the local host only (use -H localhost:N)")
+    if shutil.which(command[0]) is None and not os.path.exists(command[0]):
+        return _error(f"command not found: {command[0]}")
+
+    secret = make_secret()
+    server = RendezvousServer(bytes.fromhex(secret), host="127.0.0.1").start()
+    base = {k: v for k, v in os.environ.items() if not _NOT_EXPORTED.match(k)}
+    base.update(env_from_args(a))
+    base.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+                 "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
+                 "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                 "HOROVOD_SECRET_KEY": secret, "PYTHONUNBUFFERED": "1"})
+    if a.nics:
+        base["HOROVOD_GLOO_IFACE"] = a.nics.split(",")[0]
+    commands = []
+    for s in slots:
+        env = dict(base)
+        env.update(s.env())
+        commands.append((s.rank, s.hostname, command, env))
+    if a.verbose:
+        print(f"horovodrun: {a.np} processes on {', '.join(f'{h.hostname}:{h.slots}' for h in hosts)}"
+              f"; rendezvous on 127.0.0.1:{server.port}; command: {' '.join(command)}",
+              file=sys.stderr)
+    job = Job(commands, timestamp=a.prefix_output_with_timestamp, output_dir=a.output_filename)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        job.interrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        job.start()
+        status = job.wait()
+    except RuntimeError as e:
+        return _error(str(e))
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        server.stop()
+    report = job.report()
+    if report:
+        print(report, file=sys.stderr)
+    return status
+
+
+def run_commandline() -> None:  # upstream's entry point name
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Worker processes of a job: start, forward output with rank prefixes, stop them all on the
+first failure, and report the root cause.
+
+Each worker runs in its own session (process group) so that ``horovodrun`` can stop it and
+everything it started; on Linux the kernel also sends it SIGTERM if ``horovodrun`` itself dies
+(``PR_SET_PDEATHSIG``), so no worker outlives its launcher.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+TAIL_LINES = 20
+
+
+def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+@dataclass
+class Worker:
+    rank: int
+    host: str
+    proc: subprocess.Popen
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    exit_code: int | None = None
+    exit_time: float = 0.0
+    stopped_by_us: bool = False
+    threads: list[threading.Thread] = field(default_factory=list)
+
+
+class OutputSink:
+    """Serialises prefixed output from all workers onto our stdout/stderr (and files)."""
+
+    def __init__(self, timestamp: bool, output_dir: str | None) -> None:
+        self.timestamp = timestamp
+        self.output_dir = output_dir
+        self.lock = threading.Lock()
+        self.files: dict[tuple[int, str], BinaryIO] = {}
+
+    def file_for(self, rank: int, stream: str, size: int) -> BinaryIO | None:
+        if not self.output_dir:
+            return None
+        key = (rank, stream)
+        if key not in self.files:
+            d = os.path.join(self.output_dir, f"rank.{rank:0{len(str(size - 1))}d}")
+            os.makedirs(d, exist_ok=True)
+            self.files[key] = open(os.path.join(d, stream), "wb")  # noqa: SIM115
+        return self.files[key]
+
+    def write(self, rank: int, stream: str, piece: bytes, size: int) -> None:
+        prefix = f"[{rank}]<{stream}>:".encode()
+        if self.timestamp:
+            prefix = time.asctime().encode() + prefix
+        out = sys.stdout.buffer if stream == "stdout" else sys.stderr.buffer
+        with self.lock:
+            out.write(prefix + piece)
+            out.flush()
+            f = self.file_for(rank, stream, size)
+            if f is not None:
+                f.write(piece)
+                f.flush()
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def _forward(w: Worker, pipe: BinaryIO, stream: str, sink: OutputSink, size: int) -> None:
+    """Forward ``pipe`` line by line; a line ends at ``\\n`` or ``\\r`` (progress bars)."""
+    pending = b""
+    fd = pipe.fileno()
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        pending += chunk
+        start = 0
+        i = 0
+        n = len(pending)
+        while i < n:
+            c = pending[i]
+            if c == 10 or c == 13:  # \n or \r
+                if c == 13 and i + 1 < n and pending[i + 1] == 10:
+                    i += 1  # \r\n is one line end
+                piece = pending[start:i + 1]
+                sink.write(w.rank, stream, piece, size)
+                text = piece.rstrip(b"\r\n").decode("utf-8", "replace")
+                if text:
+                    w.tail.append(f"[{w.rank}]<{stream}>:{text}")
+                start = i + 1
+            i += 1
+        pending = pending[start:]
+    if pending:
+        sink.write(w.rank, stream, pending + b"\n", size)
+        w.tail.append(f"[{w.rank}]<{stream}>:{pending.decode('utf-8', 'replace')}")
+    pipe.close()
+
+
+def exit_description(code: int) -> str:
+    if code > 128 and code - 128 in signal.Signals._value2member_map_:
+        return f"was killed by signal {signal.Signals(code - 128).name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+class Job:
+    """Runs the workers of one job on this host."""
+
+    def __init__(self, commands: Sequence[tuple[int, str, list[str], dict[str, str]]], *,
+                 timestamp: bool = False, output_dir: str | None = None,
+                 grace_seconds: float = 5.0) -> None:
+        self.commands = commands
+        self.sink = OutputSink(timestamp, output_dir)
+        self.grace = grace_seconds
+        self.workers: list[Worker] = []
+        self.exits: queue.SimpleQueue[Worker] = queue.SimpleQueue()
+        self.first_failure: Worker | None = None
+        self.interrupted: str | None = None
+
+    def start(self) -> None:
+        size = len(self.commands)
+        for rank, host, argv, env in self.commands:
+            try:
+                proc = subprocess.Popen(
+                    argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, start_new_session=True,
+                    preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None)
+            except OSError as e:
+                self.stop_all()
+                raise RuntimeError(f"horovodrun: cannot start rank {rank}: {argv[0]}: "
+                                   f"{e.strerror or e}") from None
+            w = Worker(rank, host, proc)
+            self.workers.append(w)
+            for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+                t = threading.Thread(target=_forward, args=(w, pipe, stream, self.sink, size),
+                                     daemon=True, name=f"fwd-{rank}-{stream}")
+                t.start()
+                w.threads.append(t)
+            threading.Thread(target=self._wait, args=(w,), daemon=True,
+                             name=f"wait-{rank}").start()
+
+    def _wait(self, w: Worker) -> None:
+        code = w.proc.wait()
+        w.exit_time = time.time()
+        w.exit_code = 128 - code if code < 0 else code
+        self.exits.put(w)
+
+    def wait(self) -> int:
+        """Block until every worker has exited; returns horovodrun's exit status."""
+        left = len(self.workers)
+        while left:
+            try:
+                w = self.exits.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            left -= 1
+            for t in w.threads:
+                t.join(2)
+            if w.exit_code and self.first_failure is None and self.interrupted is None:
+                self.first_failure = w
+                self.stop_all(except_rank=w.rank)
+        self._reap_groups()
+        self.sink.close()
+        if self.interrupted is not None:
+            return 130 if self.interrupted == "SIGINT" else 143
+        if self.first_failure is not None:
+            code = self.first_failure.exit_code or 1
+            return code if 0 < code < 256 else 1
+        return 0
+
+    def stop_all(self, except_rank: int | None = None) -> None:
+        """SIGTERM every running worker's process group; SIGKILL what is left after the grace
+        period (in a background thread, so forwarding continues meanwhile)."""
+        targets = [w for w in self.workers if w.rank != except_rank and w.proc.poll() is None]
+        for w in targets:
+            w.stopped_by_us = True
+            _signal_group(w.proc.pid, signal.SIGTERM)
+
+        def _kill_later() -> None:
+            deadline = time.monotonic() + self.grace
+            while time.monotonic() < deadline and any(w.proc.poll() is None for w in targets):
+                time.sleep(0.05)
+            for w in targets:
+                if w.proc.poll() is None:
+                    _signal_group(w.proc.pid, signal.SIGKILL)
+
+        threading.Thread(target=_kill_later, daemon=True, name="killer").start()
+
+    def interrupt(self, signame: str) -> None:
+        if self.interrupted is None:
+            self.interrupted = signame
+            self.stop_all()
+
+    def _reap_groups(self) -> None:
+        """Nothing a worker started may outlive the job."""
+        for w in self.workers:
+            _signal_group(w.proc.pid, signal.SIGKILL)
+
+    def report(self) -> str:
+        """The failure report: other ranks first, the root cause last."""
+        if self.interrupted is not None:
+            return (f"horovodrun: received {self.interrupted}; stopped all "
+                    f"{len(self.workers)} workers.")
+        f = self.first_failure
+        if f is None:
+            return ""
+        lines = ["", "horovodrun: the job failed."]
+        for w in sorted(self.workers, key=lambda w: w.rank):
+            if w is f:
+                continue
+            if w.stopped_by_us:
+                lines.append(f"  rank {w.rank} ({w.host}): stopped by horovodrun because rank "
+                             f"{f.rank} failed")
+            elif w.exit_code:
+                lines.append(f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code)} after "
+                             f"rank {f.rank} failed")
+            else:
+                lines.append(f"  rank {w.rank} ({w.host}): finished (exit code 0)")
+        lines.append(f"Root cause: rank {f.rank} on host {f.host} {exit_description(f.exit_code or 1)}"
+                     f" at {time.strftime('%H:%M:%S', time.localtime(f.exit_time))}, first of all "
+                     "ranks.")
+        if f.tail:
+            lines.append(f"Last lines of rank {f.rank}'s output:")
+            lines.extend(f"  {t}" for t in f.tail)
+        else:
+            lines.append(f"Rank {f.rank} printed nothing.")
+        return "\n".join(lines)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
