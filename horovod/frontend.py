@@ -248,8 +248,10 @@ def _reduce_op(op: int | None, average: bool | None, what: str, default: int = A
     return op
 
 
-def _names(ctx: _context.Context, prefix: str, name: str | None, handle: int, n: int | None
-           ) -> list[str]:
+def _names(ctx: _context.Context, prefix: str, name: str | None, handle: int, n: int | None,
+           count: int = 1) -> list[str]:
+    if n is None and count != 1:
+        raise ValueError(f"{prefix}: one tensor expected, got {count}; use the grouped_ form")
     base = f"{prefix}.{name}" if name else f"{prefix}.noname.{handle}"
     if n is None:
         return [base]
@@ -288,7 +290,8 @@ def submit_allreduce(tensors: Sequence[np.ndarray], outputs: Sequence[np.ndarray
     if not (math.isfinite(pre) and math.isfinite(post)):
         raise ValueError(f"{what}: prescale_factor and postscale_factor must be finite")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, hid, len(tensors) if grouped else None)
+    names = _names(ctx, what, name, hid, len(tensors) if grouped else None,
+                   len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
     entries = [Entry(Request(ps_id, nm, ALLREDUCE, code_of(t.dtype, what), tuple(t.shape), op,
@@ -308,7 +311,8 @@ def submit_allgather(tensors: Sequence[np.ndarray], *, name: str | None, process
             raise ValueError(f"{what}: needs an array with at least one dimension (the one "
                              "gathered along), got a scalar; reshape it with x.reshape(1)")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, hid, len(tensors) if grouped else None)
+    names = _names(ctx, what, name, hid, len(tensors) if grouped else None,
+                   len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
     entries = [Entry(Request(ps_id, nm, ALLGATHER, code_of(t.dtype, what), tuple(t.shape),
@@ -389,7 +393,8 @@ def submit_reducescatter(tensors: Sequence[np.ndarray], *, name: str | None, op:
         if t.dtype == np.bool_:
             raise ValueError(f"{what}: bool arrays cannot be summed; cast them first")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, hid, len(tensors) if grouped else None)
+    names = _names(ctx, what, name, hid, len(tensors) if grouped else None,
+                   len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
     entries = [Entry(Request(ps_id, nm, REDUCESCATTER, code_of(t.dtype, what), tuple(t.shape), op,

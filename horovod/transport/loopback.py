@@ -77,6 +77,9 @@ class LoopbackTransport(Transport):
     def send_ctrl(self, peer: int, payload: bytes) -> None:
         r = self._r
         with r.cond:
+            if self.rank in r.closed:
+                raise TransportError(r.aborted.get(self.rank, "this rank's connections are "
+                                                   "closed"))
             if peer in r.closed:
                 return
             handler = r.handlers[peer]
@@ -90,8 +93,11 @@ class LoopbackTransport(Transport):
         with r.cond:
             r.handlers[self.rank] = handler
             backlog, r.pending_ctrl[self.rank] = r.pending_ctrl[self.rank], []
+            gone = [p for p in sorted(r.closed) if self.rank == 0 or p == 0]
         for peer, payload in backlog:
             handler(peer, payload)
+        for peer in gone:  # peers that left before we listened: their EOF arrives now
+            handler(peer, None)
 
     def abort(self, reason: str) -> None:
         with self._r.cond:

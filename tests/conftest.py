@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from horovod.common.dtypes import BFLOAT16
+
+SIZES = [1, 2, 3, 5]
+LENGTHS = [0, 1, 17, 70_001]  # 70_001 float64 > the small-message switch: exercises the ring
+NUMERIC = [np.uint8, np.int8, np.int16, np.int32, np.int64, np.float16, np.float32, np.float64]
+ALL_DTYPES = NUMERIC + [np.bool_] + ([BFLOAT16] if BFLOAT16 is not None else [])
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rank_data(rank: int, n: int, dtype, shape=None) -> np.ndarray:
+    """Small rank-dependent values that are exact in every dtype (incl. float16/bfloat16)."""
+    base = (np.arange(n) % 7 + rank + 1).astype(np.int64)
+    return base.astype(dtype).reshape(shape if shape is not None else (n,))
+
+
+def run_script(script: str, np_: int = 2, *, args=(), env=None, timeout=60, launcher_args=()):
+    """Run ``script`` (Python source) under the real horovodrun; returns CompletedProcess."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="hvdtest-")
+    path = os.path.join(d, "script.py")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(script))
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_), *launcher_args,
+           sys.executable, path, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+@pytest.fixture(params=SIZES, ids=lambda n: f"np{n}")
+def size(request):
+    return request.param

@@ -1,0 +1,307 @@
+"""Engine behaviour: real asynchrony, ordering, Tensor Fusion, the response cache, join,
+re-initialisation."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import horovod.numpy as hvd
+from horovod.core.context import current
+from horovod.testing import run_ranks
+
+
+def test_poll_is_false_until_the_op_completes():
+    """Rank 1 holds back its part; rank 0's handle must stay incomplete meanwhile."""
+    go = threading.Event()
+
+    def body(rank):
+        if rank == 0:
+            h = hvd.allreduce_async(np.ones(4), name="held", op=hvd.Sum)
+            polls = [hvd.poll(h) for _ in range(20)]
+            go.set()
+            out = hvd.synchronize(h)
+            return polls, out
+        go.wait(10)
+        return None, hvd.allreduce(np.ones(4), name="held", op=hvd.Sum)
+
+    (polls, out), (_, out1) = run_ranks(body, 2)
+    assert polls == [False] * 20
+    np.testing.assert_array_equal(out, 2 * np.ones(4))
+    np.testing.assert_array_equal(out1, 2 * np.ones(4))
+
+
+def test_poll_true_after_completion_and_handle_cleared():
+    def body(rank):
+        h = hvd.allreduce_async(np.ones(2))
+        hvd.synchronize(h)
+        with pytest.raises(ValueError, match="not created or has been cleared"):
+            hvd.poll(h)
+        h2 = hvd.allreduce_async(np.ones(2))
+        while not hvd.poll(h2):
+            pass
+        return hvd.synchronize(h2)
+
+    run_ranks(body, 2)
+
+
+def test_ranks_may_submit_named_tensors_in_different_orders():
+    names = [f"t{i}" for i in range(12)]
+
+    def body(rank):
+        order = names if rank % 2 == 0 else names[::-1]
+        rng = np.random.default_rng(rank)
+        order = list(order) if rank < 2 else list(rng.permutation(names))
+        handles = {n: hvd.allreduce_async(np.full(3, int(n[1:]) + rank, np.int64), name=n,
+                                          op=hvd.Sum) for n in order}
+        return {n: hvd.synchronize(h) for n, h in handles.items()}
+
+    size = 3
+    for res in run_ranks(body, size):
+        for n in names:
+            k = int(n[1:])
+            np.testing.assert_array_equal(res[n], np.full(3, size * k + sum(range(size))))
+
+
+def test_unnamed_ops_match_by_call_order():
+    def body(rank):
+        a = hvd.allreduce(np.array([rank]), op=hvd.Sum)
+        b = hvd.allreduce(np.array([10 * rank]), op=hvd.Sum)
+        return int(a[0]), int(b[0])
+
+    assert run_ranks(body, 3) == [(3, 30)] * 3
+
+
+def test_bursts_are_fused_into_one_buffer_that_is_reused():
+    def body(rank):
+        eng = current().engine
+        for step in range(5):
+            hs = [hvd.allreduce_async(np.full(100, rank + i, np.float32), name=f"g{i}",
+                                      op=hvd.Sum) for i in range(30)]
+            outs = [hvd.synchronize(h) for h in hs]
+            for i, o in enumerate(outs):
+                np.testing.assert_array_equal(o, np.full(100, 3 * i + 3, np.float32))
+        return eng.stats["fused_responses"], eng.buffers.fusion_allocations
+
+    env = {"HOROVOD_CYCLE_TIME": "20"}  # long rounds: a burst arrives in one or two rounds
+    for fused, allocations in run_ranks(body, 3, env=env):
+        assert fused >= 5          # every step fused at least once
+        assert allocations <= 2    # the fusion buffer is not reallocated per cycle
+
+
+def test_fusion_threshold_zero_disables_fusion():
+    def body(rank):
+        hs = [hvd.allreduce_async(np.ones(10), name=f"g{i}") for i in range(20)]
+        [hvd.synchronize(h) for h in hs]
+        return current().engine.stats["fused_responses"]
+
+    env = {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_CYCLE_TIME": "20"}
+    assert run_ranks(body, 2, env=env) == [0, 0]
+
+
+def test_fusion_respects_the_threshold():
+    """Tensors of 4000 bytes with a 10000-byte threshold: at most 2 per fused response."""
+    from horovod.core import ops
+
+    seen = []
+    orig = ops.execute
+
+    def spy(resp, entries, t, buffers, threshold):
+        if t.rank == 0:
+            seen.append(len(resp.names))
+        return orig(resp, entries, t, buffers, threshold)
+
+    def body(rank):
+        hs = [hvd.allreduce_async(np.ones(1000, np.float32), name=f"g{i}") for i in range(9)]
+        [hvd.synchronize(h) for h in hs]
+
+    ops.execute = spy
+    try:
+        run_ranks(body, 2, env={"HOROVOD_FUSION_THRESHOLD": "10000", "HOROVOD_CYCLE_TIME": "30"})
+    finally:
+        ops.execute = orig
+    assert max(seen) == 2 and sum(seen) == 9
+
+
+def test_response_cache_fast_path_in_steady_state():
+    def body(rank):
+        for step in range(6):
+            hs = [hvd.allreduce_async(np.ones(8) * rank, name=f"w{i}") for i in range(10)]
+            [hvd.synchronize(h) for h in hs]
+        return dict(current().engine.stats)
+
+    stats = run_ranks(body, 3)
+    for s in stats[1:]:
+        # the first step sends full requests, later steps only cache ids
+        assert s["requests_sent"] == 10
+        assert s["cache_hits_sent"] == 50
+
+
+def test_cache_disabled_sends_full_requests():
+    def body(rank):
+        for step in range(3):
+            hvd.allreduce(np.ones(8), name="w")
+        return current().engine.stats
+
+    stats = run_ranks(body, 2, env={"HOROVOD_CACHE_CAPACITY": "0"})
+    assert stats[1]["requests_sent"] == 3 and stats[1]["cache_hits_sent"] == 0
+
+
+def test_cache_invalidated_when_a_name_changes_shape():
+    def body(rank):
+        a = hvd.allreduce(np.ones(4), name="w", op=hvd.Sum)
+        b = hvd.allreduce(np.ones(6), name="w", op=hvd.Sum)
+        c = hvd.allreduce(np.ones(6), name="w", op=hvd.Sum)
+        return a.shape, b.shape, float(c[0])
+
+    assert run_ranks(body, 3) == [((4,), (6,), 3.0)] * 3
+
+
+def test_cache_eviction_with_small_capacity_stays_correct():
+    def body(rank):
+        out = []
+        for step in range(4):
+            hs = [hvd.allreduce_async(np.full(3, i + rank), name=f"n{i}", op=hvd.Sum)
+                  for i in range(7)]
+            out.append([int(hvd.synchronize(h)[0]) for h in hs])
+        return out
+
+    env = {"HOROVOD_CACHE_CAPACITY": "3"}
+    for res in run_ranks(body, 3, env=env):
+        assert res == [[3 * i + 3 for i in range(7)]] * 4
+
+
+def test_allgather_cached_with_changing_first_dim():
+    def body(rank):
+        outs = []
+        for step in range(4):
+            rows = 1 + (rank + step) % 3
+            outs.append(hvd.allgather(np.full((rows, 2), rank), name="ag").shape[0])
+        return outs
+
+    res = run_ranks(body, 3)
+    assert res[0] == [sum(1 + (r + s) % 3 for r in range(3)) for s in range(4)]
+
+
+def test_join_contributes_zeros_and_returns_last_rank():
+    def body(rank):
+        steps = rank + 1          # rank r has r + 1 batches
+        sums = []
+        for i in range(steps):
+            sums.append(float(hvd.allreduce(np.array([1.0]), op=hvd.Sum, name=f"b{i}")[0]))
+        last = hvd.join()
+        return sums, last
+
+    res = run_ranks(body, 3)
+    assert res[0] == ([3.0], 2)
+    assert res[1] == ([3.0, 2.0], 2)
+    assert res[2] == ([3.0, 2.0, 1.0], 2)
+
+
+def test_join_average_divides_by_full_size():
+    def body(rank):
+        if rank == 0:
+            return hvd.join(), None
+        out = hvd.allreduce(np.array([6.0]), op=hvd.Average, name="a")
+        return hvd.join(), float(out[0])
+
+    res = run_ranks(body, 3)
+    assert [r[0] for r in res] == [2, 2, 2] or [r[0] for r in res] == [1, 1, 1]
+    assert res[1][1] == pytest.approx(4.0)  # (6 + 6 + 0) / 3
+
+
+def test_allgather_with_joined_rank_is_an_error():
+    from horovod.common.exceptions import HorovodInternalError
+
+    def body(rank):
+        if rank == 0:
+            return hvd.join()
+        with pytest.raises(HorovodInternalError, match="ranks \\[0\\] have called join"):
+            hvd.allgather(np.ones(1), name="g")
+        return hvd.join()
+
+    assert run_ranks(body, 2) == [1, 1]
+
+
+def test_barrier_blocks_until_everyone_arrives():
+    arrived = []
+
+    def body(rank):
+        if rank == 1:
+            import time
+            time.sleep(0.2)
+        arrived.append(rank)
+        hvd.barrier()
+        return sorted(arrived)
+
+    assert run_ranks(body, 3) == [[0, 1, 2]] * 3
+
+
+def test_init_is_idempotent_and_reinit_after_shutdown_works():
+    def body(rank):
+        hvd.init()  # second call: no-op
+        a = hvd.allreduce(np.array([1]), op=hvd.Sum)
+        hvd.shutdown()
+        assert not hvd.is_initialized()
+        hvd.init()
+        b = hvd.allreduce(np.array([2]), op=hvd.Sum)
+        h = hvd.allreduce_async(np.array([3]), op=hvd.Sum)
+        assert h == 2  # handles restart after re-init
+        return int(a[0]), int(b[0]), int(hvd.synchronize(h)[0])
+
+    assert run_ranks(body, 3) == [(3, 6, 9)] * 3
+
+
+def test_shutdown_fails_pending_ops_with_the_shutdown_message():
+    from horovod.common.exceptions import HorovodInternalError
+
+    def body(rank):
+        if rank == 1:
+            return None
+        with pytest.raises(HorovodInternalError, match="rank 1 called shutdown"):
+            hvd.synchronize(hvd.allreduce_async(np.ones(1), name="orphan"))
+        return "ok"
+
+    assert run_ranks(body, 2)[0] == "ok"
+
+
+def test_topology_from_host_names():
+    hosts = ["a", "a", "b", "b", "b"]
+
+    def body(rank):
+        return (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
+                hvd.is_homogeneous())
+
+    res = run_ranks(body, 5, hosts=hosts)
+    assert res == [(0, 2, 0, 2, False), (1, 2, 0, 2, False), (0, 3, 1, 2, False),
+                   (1, 3, 1, 2, False), (2, 3, 0, 1, False)]
+    assert run_ranks(body, 4, hosts=["a", "a", "b", "b"])[3] == (1, 2, 1, 2, True)
+
+
+def test_build_and_enabled_flags():
+    def body(rank):
+        assert hvd.gloo_built() and hvd.gloo_enabled()
+        assert not hvd.mpi_built() and not hvd.mpi_enabled()
+        assert hvd.nccl_built() == 0 and not hvd.cuda_built() and not hvd.rocm_built()
+        assert not hvd.ddl_built() and not hvd.ccl_built()
+        with pytest.raises(ValueError, match="MPI is not enabled"):
+            hvd.mpi_threads_supported()
+        assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3,
+                                                                                      4, 5)
+
+    run_ranks(body, 1)
+
+
+def test_compression_fp16_and_bf16():
+    def body(rank):
+        x = np.linspace(0, 1, 9, dtype=np.float32) * (rank + 1)
+        a = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.fp16, name="a")
+        b = hvd.allreduce(x, op=hvd.Sum, compression=hvd.Compression.bf16, name="b")
+        i = hvd.allreduce(np.arange(3), op=hvd.Sum, compression=hvd.Compression.fp16, name="i")
+        return a, b, i
+
+    want = np.linspace(0, 1, 9) * 3
+    for a, b, i in run_ranks(body, 2):
+        assert a.dtype == b.dtype == np.float32 and i.dtype == np.int64
+        np.testing.assert_allclose(a, want, atol=2e-3)
+        np.testing.assert_allclose(b, want, atol=2e-2)

@@ -1,0 +1,250 @@
+"""Every error path: mismatches across ranks reach every rank naming tensor, ranks and values;
+bad arguments fail at the call; nothing hangs."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import horovod.numpy as hvd
+from horovod.common.exceptions import HorovodInternalError
+from horovod.testing import RankFailed, run_ranks
+
+
+def errors_on_every_rank(body, size=3):
+    """Run ``body``; return the HorovodInternalError text each rank got."""
+    def wrapped(rank):
+        with pytest.raises(HorovodInternalError) as info:
+            body(rank)
+        hvd.barrier()  # the job is still usable after a mismatch
+        return str(info.value)
+
+    return run_ranks(wrapped, size)
+
+
+def test_shape_mismatch_names_tensor_ranks_values():
+    msgs = errors_on_every_rank(
+        lambda r: hvd.allreduce(np.zeros((4, 2 if r != 2 else 3)), name="fc1.weight"))
+    for m in msgs:
+        assert "allreduce 'fc1.weight'" in m
+        assert "shape (4, 2) on rank 0 but (4, 3) on rank 2" in m
+        assert "every rank must submit the same shape" in m
+        assert "test_errors.py" in m  # where this rank submitted it
+
+
+def test_dtype_mismatch():
+    msgs = errors_on_every_rank(
+        lambda r: hvd.allreduce(np.zeros(3, np.float32 if r else np.int32), name="t"))
+    assert all("dtype int32 on rank 0 but float32 on rank 1" in m for m in msgs)
+
+
+def test_op_mismatch():
+    msgs = errors_on_every_rank(
+        lambda r: hvd.allreduce(np.zeros(3), name="t", op=hvd.Sum if r != 1 else hvd.Max))
+    assert all("reduce op Sum on rank 0 but Max on rank 1" in m for m in msgs)
+
+
+def test_collective_type_mismatch():
+    """The same core name submitted as allreduce on one rank and allgather on another."""
+    from horovod.core.context import current
+    from horovod.core.engine import Entry, Handle
+    from horovod.core.messages import ALLGATHER, ALLREDUCE, Request
+
+    def body(rank):
+        op = ALLGATHER if rank == 1 else ALLREDUCE
+        h = Handle(1)
+        x = np.zeros(3)
+        current().engine.submit([Entry(Request(0, "same.name", op, 8, (3,)), x, x.copy(), h)])
+        with pytest.raises(HorovodInternalError) as info:
+            h.wait()
+        return str(info.value)
+
+    for m in run_ranks(body, 2):
+        assert "rank 0 called allreduce but rank 1 called allgather" in m
+
+
+def test_scale_factor_mismatch():
+    msgs = errors_on_every_rank(
+        lambda r: hvd.allreduce(np.zeros(3), name="t", prescale_factor=2.0 if r == 2 else 1.0))
+    assert all("(prescale_factor, postscale_factor) (1.0, 1.0) on rank 0 but (2.0, 1.0) on "
+               "rank 2" in m for m in msgs)
+
+
+def test_broadcast_root_mismatch():
+    msgs = errors_on_every_rank(lambda r: hvd.broadcast(np.zeros(3), root_rank=0 if r else 1,
+                                                        name="b"))
+    assert all("root_rank 1 on rank 0 but 0 on rank 1" in m for m in msgs)
+
+
+def test_allgather_trailing_dim_mismatch():
+    msgs = errors_on_every_rank(lambda r: hvd.allgather(np.zeros((2, 3 + (r == 1))), name="g"))
+    assert all("only the first dimension may differ" in m for m in msgs)
+    msgs = errors_on_every_rank(lambda r: hvd.allgather(np.zeros((2, 3) if r else (2, 3, 1)),
+                                                        name="g"))
+    assert all("number of dimensions 3 on rank 0 but 2 on rank 1" in m for m in msgs)
+
+
+def test_reducescatter_and_alltoall_shape_mismatch():
+    msgs = errors_on_every_rank(lambda r: hvd.reducescatter(np.zeros((6, 1 + r)), name="rs"))
+    assert all("reducescatter 'rs'" in m and "shape" in m for m in msgs)
+    msgs = errors_on_every_rank(lambda r: hvd.alltoall(np.zeros((3, 1 + r)), name="a2a"))
+    assert all("alltoall 'a2a'" in m for m in msgs)
+
+
+def test_duplicate_name_in_flight_is_value_error_at_call():
+    def body(rank):
+        h = hvd.allreduce_async(np.zeros(3), name="dup")
+        with pytest.raises(ValueError, match="already in flight.*'allreduce.dup'"):
+            hvd.allreduce_async(np.zeros(3), name="dup")
+        hvd.synchronize(h)
+        hvd.synchronize(hvd.allreduce_async(np.zeros(3), name="dup"))  # free again
+
+    run_ranks(body, 2)
+
+
+def test_duplicate_name_within_one_submission():
+    from horovod.core.context import current
+    from horovod.core.engine import Entry, Handle
+    from horovod.core.messages import ALLREDUCE, Request
+
+    def body(rank):
+        h = Handle(2)
+        x = np.zeros(1)
+        e = [Entry(Request(0, "twice", ALLREDUCE, 8, (1,)), x, x, h, i) for i in range(2)]
+        with pytest.raises(ValueError, match="already in flight"):
+            current().engine.submit(e)
+        assert not current().engine.table  # nothing half-registered
+
+    run_ranks(body, 1)
+
+
+@pytest.mark.parametrize("bad, exc, pattern", [
+    (np.zeros(3, np.complex64), ValueError, "dtype complex64 is not supported"),
+    (np.array(["a"]), ValueError, "is not supported"),
+    (np.zeros((4, 4))[:, ::2], ValueError, "not C-contiguous"),
+    ({"a": 1}, TypeError, "expected a NumPy array"),
+])
+def test_bad_arrays_fail_at_call(bad, exc, pattern):
+    def body(rank):
+        for fn in (hvd.allreduce, hvd.allgather, lambda x: hvd.broadcast(x, 0),
+                   hvd.alltoall, hvd.reducescatter):
+            with pytest.raises(exc, match=pattern):
+                fn(bad)
+
+    run_ranks(body, 1)
+
+
+def test_bad_arguments_fail_at_call():
+    def body(rank):
+        x = np.zeros(4)
+        with pytest.raises(ValueError, match="root_rank=7 is not a rank"):
+            hvd.broadcast(x, root_rank=7)
+        with pytest.raises(ValueError, match="multiple of the number of ranks"):
+            hvd.alltoall(np.zeros(3))
+        with pytest.raises(ValueError, match="splits has 3 entries"):
+            hvd.alltoall(x, splits=[1, 1, 2])
+        with pytest.raises(ValueError, match="sum to 5, more than"):
+            hvd.alltoall(x, splits=[2, 3])
+        with pytest.raises(ValueError, match=">= 0"):
+            hvd.alltoall(x, splits=[-1, 2])
+        with pytest.raises(ValueError, match="must be 1-D"):
+            hvd.alltoall(x, splits=[[1, 1]])
+        with pytest.raises(ValueError, match="integers"):
+            hvd.alltoall(x, splits=[1.0, 1.0])
+        with pytest.raises(ValueError, match="at least one dimension"):
+            hvd.allgather(np.float64(3.0))
+        with pytest.raises(ValueError, match="at least one dimension"):
+            hvd.reducescatter(np.zeros(()))
+        with pytest.raises(ValueError, match="only op=hvd.Average and hvd.Sum"):
+            hvd.reducescatter(x, op=hvd.Max)
+        with pytest.raises(ValueError, match="Average is not defined for bool"):
+            hvd.allreduce(np.zeros(2, bool))
+        with pytest.raises(NotImplementedError, match="Adasum"):
+            hvd.allreduce(x, op=hvd.Adasum)
+        with pytest.raises(ValueError, match="unknown op"):
+            hvd.allreduce(x, op=42)
+        with pytest.raises(ValueError, match="supersedes average"):
+            hvd.allreduce(x, op=hvd.Sum, average=True)
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.zeros(2)
+            ro.flags.writeable = False
+            hvd.allreduce_(ro)
+        with pytest.raises(ValueError, match="must be finite"):
+            hvd.allreduce(x, prescale_factor=float("nan"))
+        with pytest.raises(ValueError, match="Handle 12345 was not created"):
+            hvd.poll(12345)
+        with pytest.raises(ValueError, match="Handle 12345 was not created"):
+            hvd.synchronize(12345)
+        hvd.barrier()
+
+    run_ranks(body, 2)
+
+
+def test_average_parameter_is_deprecated():
+    def body(rank):
+        with pytest.warns(DeprecationWarning, match="replaced with `op`"):
+            out = hvd.allreduce(np.ones(2), average=False)
+        np.testing.assert_array_equal(out, np.ones(2))
+
+    run_ranks(body, 1)
+
+
+def test_not_initialized_errors():
+    for fn in (hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank,
+               hvd.cross_size, hvd.is_homogeneous, lambda: hvd.allreduce(np.zeros(1)),
+               lambda: hvd.start_timeline("x")):
+        with pytest.raises(ValueError, match="has not been initialized"):
+            fn()
+    assert not hvd.is_initialized()
+    hvd.shutdown()  # safe when not initialized
+
+
+def test_failing_rank_does_not_hang_the_others():
+    """Rank 1 raises before its allreduce: the harness shuts it down and rank 0's pending op
+    fails with the shutdown message instead of waiting forever."""
+    def body(rank):
+        if rank == 1:
+            raise RuntimeError("boom on rank 1")
+        hvd.allreduce(np.zeros(3), name="never-matched")
+
+    with pytest.raises(RankFailed) as info:
+        run_ranks(body, 2, timeout=20)
+    assert "boom on rank 1" in str(info.value.failures[1])
+    assert "rank 1 called shutdown()" in str(info.value.failures[0])
+
+
+def test_collectives_after_shutdown_of_another_rank_fail():
+    ev = threading.Event()
+
+    def body(rank):
+        if rank == 0:
+            hvd.shutdown()
+            ev.set()
+            return None
+        ev.wait(10)
+        with pytest.raises(HorovodInternalError, match=r"shut down \(rank 0 called shutdown"):
+            hvd.allreduce(np.zeros(1))
+        return "ok"
+
+    assert run_ranks(body, 2)[1] == "ok"
+
+
+def test_crashed_rank_is_named_on_every_other_rank():
+    """A rank that vanishes without shutdown (in-process stand-in for a crash)."""
+    from horovod.core.context import current
+
+    ev = threading.Event()
+
+    def body(rank):
+        if rank == 2:
+            current().engine.transport.close()   # connection lost, no shutdown message
+            ev.set()
+            return None
+        ev.wait(10)
+        with pytest.raises(HorovodInternalError, match="rank 2 exited or lost its connection"):
+            hvd.allreduce(np.zeros(1), name="after")
+        with pytest.raises(HorovodInternalError, match="rank 2 exited"):
+            hvd.allreduce(np.zeros(1), name="later")
+        return "ok"
+
+    assert run_ranks(body, 3, timeout=30)[:2] == ["ok", "ok"]
