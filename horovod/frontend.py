@@ -248,11 +248,17 @@ def _reduce_op(op: int | None, average: bool | None, what: str, default: int = A
     return op
 
 
-def _names(ctx: _context.Context, prefix: str, name: str | None, handle: int, n: int | None,
+def _names(ctx: _context.Context, prefix: str, name: str | None, ps_id: int, n: int | None,
            count: int = 1) -> list[str]:
+    """Core names: ``<op>.<name>``, or ``<op>.noname.<k>`` where k counts this rank's unnamed
+    ops on that process set, so unnamed ops match across ranks by call order within the set."""
     if n is None and count != 1:
         raise ValueError(f"{prefix}: one tensor expected, got {count}; use the grouped_ form")
-    base = f"{prefix}.{name}" if name else f"{prefix}.noname.{handle}"
+    if name:
+        base = f"{prefix}.{name}"
+    else:
+        ctx.op_counters[f"noname.{ps_id}"] += 1
+        base = f"{prefix}.noname.{ctx.op_counters[f'noname.{ps_id}']}"
     if n is None:
         return [base]
     return [f"{base}_{i + 1}of{n}" for i in range(n)]
@@ -290,7 +296,7 @@ def submit_allreduce(tensors: Sequence[np.ndarray], outputs: Sequence[np.ndarray
     if not (math.isfinite(pre) and math.isfinite(post)):
         raise ValueError(f"{what}: prescale_factor and postscale_factor must be finite")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, hid, len(tensors) if grouped else None,
+    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None,
                    len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
@@ -311,7 +317,7 @@ def submit_allgather(tensors: Sequence[np.ndarray], *, name: str | None, process
             raise ValueError(f"{what}: needs an array with at least one dimension (the one "
                              "gathered along), got a scalar; reshape it with x.reshape(1)")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, hid, len(tensors) if grouped else None,
+    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None,
                    len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
@@ -331,7 +337,7 @@ def submit_broadcast(tensor: np.ndarray, output: np.ndarray, root_rank: int, *, 
         raise ValueError(f"broadcast: root_rank={root_rank!r} is not a rank of the process set "
                          f"(its ranks are {ranks}); root_rank is a global rank")
     hid = ctx.new_handle()
-    (nm,) = _names(ctx, "broadcast", name, hid, None)
+    (nm,) = _names(ctx, "broadcast", name, ps_id, None)
     handle = Handle(1, _callsite(), finish)
     entry = Entry(Request(ps_id, nm, BROADCAST, code_of(tensor.dtype, "broadcast"),
                           tuple(tensor.shape), SUM, int(root_rank), 1.0, 1.0, device), tensor,
@@ -369,7 +375,7 @@ def submit_alltoall(tensor: np.ndarray, splits: Any, *, name: str | None,
                              f"dimension of the array ({d0})")
         split_list = [int(x) for x in arr]
     hid = ctx.new_handle()
-    (nm,) = _names(ctx, "alltoall", name, hid, None)
+    (nm,) = _names(ctx, "alltoall", name, ps_id, None)
     handle = Handle(1, _callsite(), finish)
     entry = Entry(Request(ps_id, nm, ALLTOALL, code_of(tensor.dtype, "alltoall"),
                           tuple(tensor.shape), SUM, -1, 1.0, 1.0, device), tensor, None, handle,
@@ -393,7 +399,7 @@ def submit_reducescatter(tensors: Sequence[np.ndarray], *, name: str | None, op:
         if t.dtype == np.bool_:
             raise ValueError(f"{what}: bool arrays cannot be summed; cast them first")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, hid, len(tensors) if grouped else None,
+    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None,
                    len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
