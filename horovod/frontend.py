@@ -711,6 +711,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                        tuple(ps.ranks))
     ps.process_set_id = int(new_id)
     ctx.public_sets[ps.process_set_id] = ps
+    ctx.op_counters.pop(f"noname.{new_id}", None)  # ids are reused: restart its auto-names
     return ps
 
 

@@ -8,8 +8,9 @@
 
     results = run_ranks(body, size=3)   # one result per rank
 
-Each rank thread calls ``hvd.init()`` before ``fn`` and ``hvd.shutdown()`` after it, so a
-failing rank shuts the job down instead of leaving the others waiting. Most multi-rank tests of
+Each rank thread calls ``hvd.init()`` before ``fn``; after it, a rank that succeeded waits at a
+barrier for the others, then calls ``hvd.shutdown()``. A failing rank shuts down at once, so
+the others fail with the shutdown message instead of waiting forever. Most multi-rank tests of
 pyhorovod use this and take milliseconds.
 """
 
@@ -38,6 +39,15 @@ class RankFailed(AssertionError):
         self.first = failures[first]
 
 
+def _barrier_quietly() -> None:
+    from horovod.frontend import barrier
+
+    try:
+        barrier()
+    except Exception:
+        pass  # the job already failed elsewhere; that rank's error is what gets reported
+
+
 def run_ranks(fn: Callable[[int], Any], size: int, *, env: Mapping[str, str] | None = None,
               hosts: Sequence[str] | None = None, init: bool = True, timeout: float = 60.0,
               init_kwargs: Mapping[str, Any] | None = None) -> list[Any]:
@@ -64,6 +74,8 @@ def run_ranks(fn: Callable[[int], Any], size: int, *, env: Mapping[str, str] | N
                 _context.init(**(init_kwargs or {}))
                 contexts[rank] = _context.current()
             results[rank] = fn(rank)
+            if init and _context.current() is not None and not _context.current().stopped:
+                _barrier_quietly()  # like upstream's tests: nobody shuts down under the others
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             failures[rank] = e
             tbs[rank] = "".join(traceback.format_exception(*sys.exc_info()))

@@ -433,6 +433,8 @@ class Engine:
         else:
             ps_id = resp.extra  # type: ignore[assignment]
             self.sets.pop(ps_id, None)
+            if self.coordinator is not None:
+                self.coordinator.forget_set(ps_id)
             self._close_table(f"process set {ps_id} was removed", only_set=ps_id)
             result = True
         for e in entries:
@@ -555,6 +557,10 @@ class _Coordinator:
         if len(p.reqs) >= need:
             p.ready = True
             self.ready.append((ps_id, name))
+
+    def forget_set(self, ps_id: int) -> None:
+        self.tables.pop(ps_id, None)
+        self.ready = [(p, n) for p, n in self.ready if p != ps_id]
 
     # ----------------------------------------------------------- scheduling
     def timeout(self) -> float | None:
