@@ -1,0 +1,80 @@
+"""Hypothesis: each collective equals its NumPy reference for arbitrary sizes, shapes, dtypes
+and data."""
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import horovod.numpy as hvd
+from horovod.testing import run_ranks
+
+DTYPES = st.sampled_from([np.int32, np.int64, np.float32, np.float64, np.uint8])
+SETTINGS = settings(max_examples=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def per_rank_arrays(draw, size, dtype, shape):
+    elems = st.integers(-50, 50) if np.dtype(dtype).kind != "u" else st.integers(0, 100)
+    return [draw(hnp.arrays(dtype, shape, elements=elems)) for _ in range(size)]
+
+
+@SETTINGS
+@given(st.data(), st.integers(1, 5), DTYPES,
+       hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
+       st.sampled_from(["sum", "min", "max"]))
+def test_allreduce_matches_numpy(data, size, dtype, shape, opname):
+    xs = per_rank_arrays(data.draw, size, dtype, shape)
+    op = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max}[opname]
+    ref = {"sum": np.add, "min": np.minimum, "max": np.maximum}[opname].reduce(np.stack(xs))
+    for got in run_ranks(lambda r: hvd.allreduce(xs[r], op=op), size):
+        np.testing.assert_array_equal(got, ref.astype(dtype))
+
+
+@SETTINGS
+@given(st.data(), st.integers(1, 5), DTYPES, st.lists(st.integers(0, 5), min_size=5,
+                                                      max_size=5),
+       st.integers(0, 3))
+def test_allgather_matches_concatenate(data, size, dtype, rows, width):
+    xs = [data.draw(hnp.arrays(dtype, (rows[r], width))) for r in range(size)]
+    ref = np.concatenate(xs)
+    for got in run_ranks(lambda r: hvd.allgather(xs[r]), size):
+        np.testing.assert_array_equal(got, ref)
+
+
+@SETTINGS
+@given(st.data(), st.integers(1, 5), DTYPES, st.integers(0, 9))
+def test_broadcast_matches_root(data, size, dtype, n):
+    root = data.draw(st.integers(0, size - 1))
+    xs = per_rank_arrays(data.draw, size, dtype, (n,))
+    for got in run_ranks(lambda r: hvd.broadcast(xs[r], root), size):
+        np.testing.assert_array_equal(got, xs[root])
+
+
+@SETTINGS
+@given(st.data(), st.integers(1, 4))
+def test_alltoall_matches_reference(data, size):
+    splits = [[data.draw(st.integers(0, 3)) for _ in range(size)] for _ in range(size)]
+    xs = [np.arange(sum(sp), dtype=np.int64) + 1000 * r for r, sp in enumerate(splits)]
+
+    def body(r):
+        return hvd.alltoall(xs[r], splits=splits[r])
+
+    for r, (out, recv) in enumerate(run_ranks(body, size)):
+        parts = []
+        for s in range(size):
+            start = sum(splits[s][:r])
+            parts.append(xs[s][start:start + splits[s][r]])
+        np.testing.assert_array_equal(out, np.concatenate(parts))
+        assert recv.tolist() == [splits[s][r] for s in range(size)]
+
+
+@SETTINGS
+@given(st.data(), st.integers(1, 5), st.integers(0, 12), st.integers(1, 3))
+def test_reducescatter_matches_reference(data, size, rows, width):
+    xs = per_rank_arrays(data.draw, size, np.int64, (rows, width))
+    total = np.add.reduce(np.stack(xs))
+    counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+    starts = np.cumsum([0] + counts)
+    for r, got in enumerate(run_ranks(lambda r: hvd.reducescatter(xs[r], op=hvd.Sum), size)):
+        np.testing.assert_array_equal(got, total[starts[r]:starts[r + 1]])

@@ -1,0 +1,170 @@
+"""Only the job's own processes get in: rendezvous requests and transport connections must
+prove the job secret; garbage and strangers are turned away without disturbing anything."""
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from horovod.common.exceptions import RendezvousError, TransportError
+from horovod.core.messages import decode, encode
+from horovod.rendezvous.server import RendezvousServer
+from horovod.rendezvous.store import HTTPStoreClient
+from horovod.transport.tcp import TcpTransport
+
+SECRET = os.urandom(32)
+
+
+@pytest.fixture
+def server():
+    s = RendezvousServer(SECRET, host="127.0.0.1").start()
+    yield s
+    s.stop()
+
+
+def test_store_roundtrip_and_wait(server):
+    c = HTTPStoreClient("127.0.0.1", server.port, SECRET)
+    assert c.get("s", "k") is None
+    c.set("s", "k", b"\x00value")
+    assert c.get("s", "k") == b"\x00value"
+    threading.Timer(0.1, lambda: c.set("s", "late", b"x")).start()
+    assert c.wait("s", ["k", "late"], timeout=5) == [b"\x00value", b"x"]
+    with pytest.raises(RendezvousError, match="waiting for 1 of 2 rendezvous keys.*never"):
+        c.wait("s", ["k", "never"], timeout=0.2)
+
+
+def test_store_refuses_wrong_secret(server):
+    good = HTTPStoreClient("127.0.0.1", server.port, SECRET)
+    good.set("s", "k", b"v")
+    bad = HTTPStoreClient("127.0.0.1", server.port, os.urandom(32))
+    with pytest.raises(RendezvousError, match="HOROVOD_SECRET_KEY does not match"):
+        bad.set("s", "k", b"evil")
+    with pytest.raises(RendezvousError, match="does not match"):
+        bad.get("s", "k")
+    assert good.get("s", "k") == b"v"
+    assert server.rejected == 2
+
+
+@pytest.mark.parametrize("junk", [b"\x00\xff" * 100, b"GET / HTTP/1.1\r\n\r\n",
+                                  b"PUT /a/b HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n",
+                                  b"PUT /a/b HTTP/1.1\r\nContent-Length: 4\r\n\r\nabcd", b""])
+def test_store_survives_garbage(server, junk):
+    good = HTTPStoreClient("127.0.0.1", server.port, SECRET)
+    good.set("s", "k", b"v")
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(junk)
+        s.settimeout(2)
+        try:
+            s.recv(1000)
+        except OSError:
+            pass
+    assert good.get("s", "k") == b"v"
+    assert good.get("a", "b") is None
+
+
+def _pair(server, secret_b=SECRET):
+    """Two TcpTransports built concurrently; returns (t0, t1) or raises from rank 1."""
+    store = HTTPStoreClient("127.0.0.1", server.port, SECRET)
+    out, errs = {}, {}
+
+    def make(rank, secret):
+        try:
+            out[rank] = TcpTransport(rank, 2, store=store, scope="t", secret=secret,
+                                     advertise="127.0.0.1", timeout=3)
+        except Exception as e:  # noqa: BLE001
+            errs[rank] = e
+
+    ts = [threading.Thread(target=make, args=(0, SECRET)),
+          threading.Thread(target=make, args=(1, secret_b))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out, errs
+
+
+def test_tcp_exchange_zero_copy_both_directions(server):
+    out, errs = _pair(server)
+    assert not errs
+    t0, t1 = out[0], out[1]
+    try:
+        big = np.arange(3_000_000, dtype=np.float64)  # larger than socket buffers
+        r0, r1 = np.empty_like(big), np.empty_like(big)
+        th = threading.Thread(target=t1.exchange,
+                              args=([(0, memoryview(big[::-1].copy()).cast("B"))],
+                                    [(0, memoryview(r1).cast("B"))]))
+        th.start()
+        t0.exchange([(1, memoryview(big).cast("B"))], [(1, memoryview(r0).cast("B"))])
+        th.join()
+        np.testing.assert_array_equal(r1, big)
+        np.testing.assert_array_equal(r0, big[::-1])
+        got = []
+        t0.start_ctrl(lambda p, m: got.append((p, m)))
+        t1.send_ctrl(0, encode(("hello", 1)))
+        deadline = time.time() + 5
+        while not got and time.time() < deadline:
+            time.sleep(0.01)
+        assert got and got[0][0] == 1 and decode(got[0][1]) == ("hello", 1)
+    finally:
+        t0.close()
+        t1.close()
+
+
+def test_tcp_refuses_a_peer_without_the_secret(server):
+    out, errs = _pair(server, secret_b=os.urandom(32))
+    for t in out.values():
+        t.close()
+    assert 1 in errs and isinstance(errs[1], TransportError)
+    assert "does not hold this job's secret" in str(errs[1]) or "did not connect" in str(errs[1])
+
+
+def test_tcp_rejects_garbage_during_and_after_setup(server):
+    """Strangers connect to rank 0's port before and after the mesh is built."""
+    store = HTTPStoreClient("127.0.0.1", server.port, SECRET)
+    holder = {}
+
+    def make0():
+        holder[0] = TcpTransport(0, 2, store=store, scope="g", secret=SECRET,
+                                 advertise="127.0.0.1", timeout=5)
+
+    th = threading.Thread(target=make0)
+    th.start()
+    while store.get("g", "tcp.0") is None:
+        time.sleep(0.01)
+    host, port = store.get("g", "tcp.0").decode().rsplit(":", 1)
+
+    def attack(payload):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(payload)
+            s.settimeout(6)
+            try:
+                return s.recv(100)
+            except OSError:
+                return b""
+
+    assert attack(b"\x00" * 200) == b""
+    # a well-formed hello followed by a forged proof: the server's challenge comes back, the
+    # forged answer is refused, the connection closed, and no "OK" is ever sent
+    reply = attack(b"PYHVD\x01\x00\x00" + b"D" + b"\x01\x00\x00\x00" + b"\x02\x00\x00\x00"
+                   + b"n" * 16 + b"forged-proof-of-32-bytes-length!")
+    assert b"OK" not in reply[48:]
+    t1 = TcpTransport(1, 2, store=store, scope="g", secret=SECRET, advertise="127.0.0.1",
+                      timeout=5)
+    th.join()
+    t0 = holder[0]
+    try:
+        assert attack(b"garbage after setup") == b""
+        x = np.arange(10.0)
+        y = np.empty(10)
+        th = threading.Thread(target=t1.exchange, args=([(0, memoryview(x).cast("B"))], []))
+        th.start()
+        t0.exchange([], [(1, memoryview(y).cast("B"))])
+        th.join()
+        np.testing.assert_array_equal(x, y)
+        assert t0.rejected >= 3
+    finally:
+        t0.close()
+        t1.close()
