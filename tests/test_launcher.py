@@ -54,10 +54,12 @@ def test_failure_of_one_rank_stops_all_and_reports_root_cause_last():
     assert r.returncode == 1
     tail = r.stderr.strip().splitlines()
     root = next(i for i, line in enumerate(tail) if line.startswith("Root cause:"))
-    assert "rank 1 on host" in tail[root] and "exited with code 1" in tail[root]
+    assert "rank 1 on host" in tail[root] and "failed with KeyError: 'bad batch 42'" in tail[root]
     assert "KeyError: 'bad batch 42'" in "\n".join(tail[root:])   # its traceback comes last
-    assert any("rank 0 (" in line and "because rank 1 failed" in line for line in tail[:root])
-    assert any("rank 2 (" in line and "because rank 1 failed" in line for line in tail[:root])
+    assert any("rank 0 (" in line and "rank 1 failed" in line for line in tail[:root])
+    assert any("rank 2 (" in line and "rank 1 failed" in line for line in tail[:root])
+    # the other ranks were told what happened on rank 1, not just "shut down"
+    assert "rank 1 exited after an uncaught KeyError: 'bad batch 42'" in r.stderr + r.stdout
 
 
 def test_killed_rank_is_named_by_every_other_rank():

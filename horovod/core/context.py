@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import itertools
+import sys
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 from horovod.common import log
 from horovod.common.config import Config
-from horovod.common.exceptions import ConfigError
+from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core.engine import Engine, Handle
 from horovod.core.messages import decode, encode
@@ -27,6 +28,7 @@ from horovod.transport.base import Transport
 from horovod.transport.loopback import LoopbackWorld
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+FAILURE_SCOPE = "job"  # where workers record why they die (read by horovodrun)
 
 
 @dataclass
@@ -109,12 +111,30 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
             _process_ctx = new
             if not _atexit_registered:
                 atexit.register(_shutdown_at_exit)
+                sys.excepthook = _excepthook
                 _atexit_registered = True
     return new
 
 
 def _shutdown_at_exit() -> None:
-    shutdown(why="exited")
+    ctx = _process_ctx
+    shutdown(why=ctx.exit_reason if ctx is not None and ctx.exit_reason else "exited")
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+    """Record why this worker is about to die, before atexit shuts Horovod down: the other
+    ranks then learn the real cause, and horovodrun can tell a root cause from the ranks that
+    only failed because of it."""
+    try:
+        ctx = _process_ctx
+        if ctx is not None and not ctx.stopped:
+            ctx.record_failure(value)
+    except Exception:
+        pass
+    _previous_excepthook(etype, value, tb)
 
 
 def shutdown(why: str = "called shutdown()") -> None:
@@ -152,6 +172,7 @@ class Context:
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
         self.cross_rank, self.cross_size = cfg.cross_rank, cfg.cross_size
         self.stopped = False
+        self.exit_reason = ""
         self.handles: dict[int, Handle] = {}
         self._handle_ids = itertools.count(1)
         self.op_counters: Counter[str] = Counter()
@@ -235,6 +256,15 @@ class Context:
                     f"passed {sets} to hvd.init(process_sets=...) but rank {r} passed {info[5]}; "
                     "every rank must pass the same list in the same order")
         return infos
+
+    def record_failure(self, exc: BaseException) -> None:
+        summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        consequence = isinstance(exc, HorovodInternalError)
+        if not consequence:
+            self.exit_reason = f"exited after an uncaught {summary}"
+        if self.size > 1:
+            kind = "consequence" if consequence else "root"
+            self.store.set(FAILURE_SCOPE, f"failure.{self.rank}", f"{kind}\n{summary}".encode())
 
     # ------------------------------------------------------------------ handles
     def new_handle(self) -> int:

@@ -120,6 +120,10 @@ class RendezvousServer:
     def rejected(self) -> int:
         return self._server.rejected
 
+    def get(self, scope: str, key: str) -> bytes | None:
+        with self._server.lock:
+            return self._server.data.get((scope, key))
+
     def start(self) -> RendezvousServer:
         self._thread.start()
         return self

@@ -232,7 +232,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"horovodrun: {a.np} processes on {', '.join(f'{h.hostname}:{h.slots}' for h in hosts)}"
               f"; rendezvous on 127.0.0.1:{server.port}; command: {' '.join(command)}",
               file=sys.stderr)
-    job = Job(commands, timestamp=a.prefix_output_with_timestamp, output_dir=a.output_filename)
+    def failure_note(rank: int) -> tuple[str, str] | None:
+        raw = server.get("job", f"failure.{rank}")
+        if raw is None:
+            return None
+        kind, _, summary = raw.decode("utf-8", "replace").partition("\n")
+        return kind, summary
+
+    job = Job(commands, timestamp=a.prefix_output_with_timestamp, output_dir=a.output_filename,
+              failure_note=failure_note)
 
     def on_signal(signum: int, _frame: object) -> None:
         job.interrupt(signal.Signals(signum).name)
@@ -241,13 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         job.start()
         status = job.wait()
+        report = job.report()
     except RuntimeError as e:
         return _error(str(e))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         server.stop()
-    report = job.report()
     if report:
         print(report, file=sys.stderr)
     return status

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -127,8 +127,10 @@ class Job:
 
     def __init__(self, commands: Sequence[tuple[int, str, list[str], dict[str, str]]], *,
                  timestamp: bool = False, output_dir: str | None = None,
-                 grace_seconds: float = 5.0) -> None:
+                 grace_seconds: float = 5.0,
+                 failure_note: Callable[[int], tuple[str, str] | None] | None = None) -> None:
         self.commands = commands
+        self.failure_note = failure_note or (lambda rank: None)
         self.sink = OutputSink(timestamp, output_dir)
         self.grace = grace_seconds
         self.workers: list[Worker] = []
@@ -182,10 +184,22 @@ class Job:
         self.sink.close()
         if self.interrupted is not None:
             return 130 if self.interrupted == "SIGINT" else 143
-        if self.first_failure is not None:
-            code = self.first_failure.exit_code or 1
-            return code if 0 < code < 256 else 1
+        root = self.root_cause()
+        if root is not None:
+            code = root.exit_code or 1
+            return code if 0 < code < 256 and not root.stopped_by_us else 1
         return 0
+
+    def root_cause(self) -> Worker | None:
+        """The first rank that failed on its own account. Workers record why they die (an
+        uncaught exception of their own vs. a Horovod error caused by another rank); exit
+        order alone decides only when no such record exists."""
+        if self.first_failure is None:
+            return None
+        own = [w for w in self.workers if (self.failure_note(w.rank) or ("",))[0] == "root"]
+        if own:
+            return min(own, key=lambda w: w.exit_time)
+        return self.first_failure
 
     def stop_all(self, except_rank: int | None = None) -> None:
         """SIGTERM every running worker's process group; SIGKILL what is left after the grace
@@ -220,24 +234,34 @@ class Job:
         if self.interrupted is not None:
             return (f"horovodrun: received {self.interrupted}; stopped all "
                     f"{len(self.workers)} workers.")
-        f = self.first_failure
+        f = self.root_cause()
         if f is None:
             return ""
         lines = ["", "horovodrun: the job failed."]
         for w in sorted(self.workers, key=lambda w: w.rank):
             if w is f:
                 continue
-            if w.stopped_by_us:
+            note = self.failure_note(w.rank)
+            if w.stopped_by_us and not (w.exit_code and note):
                 lines.append(f"  rank {w.rank} ({w.host}): stopped by horovodrun because rank "
                              f"{f.rank} failed")
             elif w.exit_code:
-                lines.append(f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code)} after "
-                             f"rank {f.rank} failed")
+                why = f" ({note[1]})" if note and note[0] == "root" else ""
+                lines.append(f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code)}{why} "
+                             f"after rank {f.rank} failed")
             else:
                 lines.append(f"  rank {w.rank} ({w.host}): finished (exit code 0)")
-        lines.append(f"Root cause: rank {f.rank} on host {f.host} {exit_description(f.exit_code or 1)}"
-                     f" at {time.strftime('%H:%M:%S', time.localtime(f.exit_time))}, first of all "
-                     "ranks.")
+        note = self.failure_note(f.rank)
+        when = time.strftime('%H:%M:%S', time.localtime(f.exit_time))
+        if note and note[0] == "root":
+            how = exit_description(f.exit_code or 1)
+            if f.stopped_by_us:
+                how = "was stopped by horovodrun while shutting down"
+            lines.append(f"Root cause: rank {f.rank} on host {f.host} failed with {note[1]} "
+                         f"(it {how}, {when}).")
+        else:
+            lines.append(f"Root cause: rank {f.rank} on host {f.host} "
+                         f"{exit_description(f.exit_code or 1)} at {when}, first of all ranks.")
         if f.tail:
             lines.append(f"Last lines of rank {f.rank}'s output:")
             lines.extend(f"  {t}" for t in f.tail)
