@@ -11,8 +11,9 @@ Flow (upstream's design, event-driven instead of polled):
    submitted a name, it validates that they agree (op, dtype, shape, reduce op, scale factors,
    root, device), builds a response (an error response naming the ranks and values if they do
    not), fuses compatible responses up to the fusion threshold, and sends the ordered list to
-   every rank. Rounds are started at once when the engine was idle and at most every
-   ``HOROVOD_CYCLE_TIME`` ms while requests keep coming, so bursts of gradients are fused.
+   every rank. A round starts at once unless other tensors are partially submitted (more work
+   is on its way): then ready responses wait up to ``HOROVOD_CYCLE_TIME`` ms for them, so
+   bursts of gradients are fused while a lone or sequential op never waits for a tick.
 4. Every rank executes the list in order (``ops.execute``) and completes the handles. Because
    one coordinator orders the responses of every process set, any two ranks run their common
    collectives in the same order: no cross-set deadlock, no interleaved streams.
@@ -495,13 +496,14 @@ class _Coordinator:
         self.ready: list[tuple[int, str]] = []
         self.joined: dict[int, None] = {}      # global ranks joined, in join order
         self.shutdown_why: str | None = None
-        self.last_emit = -1e9
         self.stall_check = stall_check
         self.stall_shutdown = stall_shutdown if stall_shutdown > stall_check else 0.0
         self.next_stall = engine.clock() + stall_check if stall_check > 0 else float("inf")
         self.resend: dict[int, list[tuple[int, int]]] = {}
         self.next_ps_id = first_free
         self.free_ids: list[int] = []
+        self.partial = 0            # names submitted by some ranks but not yet by all
+        self.ready_since = 0.0      # when the current ready list got its first entry
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -540,6 +542,7 @@ class _Coordinator:
         p = table.get(req.name)
         if p is None:
             p = table[req.name] = _Pending(self.e.clock())
+            self.partial += 1
         p.reqs[rank] = req
         p.cids[rank] = cid
         self._check_ready(req.ps_id, req.name, p)
@@ -556,18 +559,31 @@ class _Coordinator:
                 need -= len(self.joined)
         if len(p.reqs) >= need:
             p.ready = True
+            self.partial -= 1
+            if not self.ready:
+                self.ready_since = self.e.clock()
             self.ready.append((ps_id, name))
 
     def forget_set(self, ps_id: int) -> None:
+        self.partial -= sum(1 for p in self.tables.get(ps_id, {}).values() if not p.ready)
         self.tables.pop(ps_id, None)
         self.ready = [(p, n) for p, n in self.ready if p != ps_id]
 
     # ----------------------------------------------------------- scheduling
+    def _hold_until(self) -> float:
+        """Ready responses are held back (to be fused with what follows) only while other
+        tensors are partially submitted, i.e. more work is known to be on its way, and for at
+        most one cycle time. Otherwise a round starts at once: a lone or sequential op never
+        waits for a tick."""
+        if self.partial > 0 and self.shutdown_why is None:
+            return self.ready_since + self.e.cycle_s
+        return 0.0
+
     def timeout(self) -> float | None:
         now = self.e.clock()
         waits = []
         if self.ready or self.shutdown_why is not None or self.resend:
-            waits.append(max(0.0, self.last_emit + self.e.cycle_s - now))
+            waits.append(max(0.0, self._hold_until() - now))
         if self.next_stall != float("inf") and any(self.tables.values()):
             waits.append(max(0.0, self.next_stall - now))
         return min(waits) if waits else None
@@ -583,9 +599,8 @@ class _Coordinator:
             self._stall_check(now)
         if not self.ready and self.shutdown_why is None:
             return None
-        if now < self.last_emit + e.cycle_s and self.shutdown_why is None:
+        if now < self._hold_until():
             return None
-        self.last_emit = now
         built = [self._build(ps_id, name) for ps_id, name in self.ready]
         self.ready = []
         items = self._fuse(built)

@@ -1,0 +1,240 @@
+"""Collectives benchmark: pyhorovod vs torch.distributed (Gloo) vs Open MPI (mpi4py).
+
+    python -m horovod.benchmarks.collectives            # 2 ranks on this host, all peers found
+    python -m horovod.benchmarks.collectives --np 2 --peers ours,gloo --max-bytes 16M
+
+For each message size it prints the median latency and the bus bandwidth of allreduce,
+allgather and broadcast for every implementation, measured in the same run, and our/peer
+ratios (speed ratios: > 1 means pyhorovod is faster). Peers that are not installed are
+skipped with a note. Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n * bytes / t,
+allgather (n-1)/n * bytes / t (bytes = the gathered total), broadcast bytes / t.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+OPS = ("allreduce", "allgather", "broadcast")
+DEFAULT_SIZES = [4, 1024, 64 * 1024, 1 << 20, 16 << 20, 64 << 20]
+
+
+def parse_size(text: str) -> int:
+    mult = {"K": 1024, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(t[:-1]) * mult[t[-1]]) if t and t[-1] in mult else int(t)
+
+
+def iterations(nbytes: int, budget_s: float) -> int:
+    """More repetitions for small messages; at least 5 for 64 MiB."""
+    est = 2e-4 + nbytes / 2e8  # a pessimistic guess of one op's time
+    return int(max(5, min(300, budget_s / est)))
+
+
+# ---------------------------------------------------------------------------- workers
+def _measure(run, nbytes: int, budget: float, barrier) -> float:
+    n_it = iterations(nbytes, budget)
+    for _ in range(min(3, n_it)):
+        run()
+    barrier()
+    times = []
+    for _ in range(n_it):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker_ours(sizes: list[int], budget: float) -> dict:
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    n, me = hvd.size(), hvd.rank()
+    out: dict = {}
+    for nbytes in sizes:
+        count = max(1, nbytes // 4)
+        x = np.ones(count, np.float32)
+        part = np.ones(max(1, count // n), np.float32)
+        runs = {"allreduce": lambda: hvd.allreduce_(x, op=hvd.Sum, name="b.ar"),
+                "allgather": lambda: hvd.allgather(part, name="b.ag"),
+                "broadcast": lambda: hvd.broadcast_(x, 0, name="b.bc")}
+        for op in OPS:
+            out[f"{op}:{nbytes}"] = _measure(runs[op], nbytes, budget, hvd.barrier)
+    hvd.shutdown()
+    return out if me == 0 else {}
+
+
+def worker_gloo(sizes: list[int], budget: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    n, me = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(1)
+    out: dict = {}
+    for nbytes in sizes:
+        count = max(1, nbytes // 4)
+        x = torch.ones(count)
+        part = torch.ones(max(1, count // n))
+        gathered = [torch.empty_like(part) for _ in range(n)]
+        runs = {"allreduce": lambda: dist.all_reduce(x),
+                "allgather": lambda: dist.all_gather(gathered, part),
+                "broadcast": lambda: dist.broadcast(x, 0)}
+        for op in OPS:
+            out[f"{op}:{nbytes}"] = _measure(runs[op], nbytes, budget, dist.barrier)
+    dist.destroy_process_group()
+    return out if me == 0 else {}
+
+
+def worker_mpi(sizes: list[int], budget: float) -> dict:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n, me = comm.Get_size(), comm.Get_rank()
+    out: dict = {}
+    for nbytes in sizes:
+        count = max(1, nbytes // 4)
+        x = np.ones(count, np.float32)
+        y = np.empty_like(x)
+        part = np.ones(max(1, count // n), np.float32)
+        gathered = np.empty(part.size * n, np.float32)
+        runs = {"allreduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
+                "allgather": lambda: comm.Allgather(part, gathered),
+                "broadcast": lambda: comm.Bcast(x, root=0)}
+        for op in OPS:
+            out[f"{op}:{nbytes}"] = _measure(runs[op], nbytes, budget, comm.Barrier)
+    return out if me == 0 else {}
+
+
+WORKERS = {"ours": worker_ours, "gloo": worker_gloo, "mpi": worker_mpi}
+
+
+# ---------------------------------------------------------------------------- driver
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def available(peer: str) -> str | None:
+    """None if ``peer`` can run here, else why not."""
+    import importlib.util
+
+    if peer == "gloo" and importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install torch)"
+    if peer == "mpi":
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install mpi4py)"
+        if shutil.which("mpirun") is None:
+            return "mpirun is not on PATH (apt-get install openmpi-bin)"
+    return None
+
+
+def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
+    out_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    me = [sys.executable, "-m", "horovod.benchmarks.collectives", "--worker", peer,
+          "--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out", out_file]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if peer == "ours":
+        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_)] + me
+    elif peer == "gloo":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={np_}",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}"] + me[1:]
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    else:
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
+               "--mca", "btl", "self,vader,tcp"] + me
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.PIPE)
+    with open(out_file) as f:
+        data = json.load(f)
+    os.unlink(out_file)
+    return data
+
+
+def busbw(op: str, nbytes: int, seconds: float, n: int) -> float:
+    factor = {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}[op]
+    return factor * nbytes / seconds / 1e9
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1024)):
+        if nbytes >= size:
+            return f"{nbytes // size} {unit}"
+    return f"{nbytes} B"
+
+
+def table(results: dict[str, dict], sizes: list[int], n: int) -> str:
+    peers = list(results)
+    lines = []
+    for op in OPS:
+        head = ["size"] + [f"{p} latency" for p in peers] + [f"{p} busbw" for p in peers]
+        head += [f"ours/{p}" for p in peers if p != "ours"]
+        lines.append(f"\n{op} ({n} ranks, float32 sum; ratio = peer time / our time, "
+                     ">1 means we are faster)")
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for nbytes in sizes:
+            key = f"{op}:{nbytes}"
+            t = {p: results[p][key] for p in peers}
+            row = [human(nbytes)]
+            row += [f"{t[p] * 1e6:.0f} us" if t[p] < 1e-2 else f"{t[p] * 1e3:.1f} ms"
+                    for p in peers]
+            row += [f"{busbw(op, nbytes, t[p], n):.3f} GB/s" for p in peers]
+            if "ours" in t:
+                row += [f"{t[p] / t['ours']:.2f}x" for p in peers if p != "ours"]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--np", type=int, default=2)
+    ap.add_argument("--peers", default="ours,gloo,mpi")
+    ap.add_argument("--max-bytes", default="64M")
+    ap.add_argument("--sizes", help=argparse.SUPPRESS)
+    ap.add_argument("--budget", type=float, default=0.6,
+                    help="seconds of measurement per (op, size)")
+    ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        sizes = [int(s) for s in a.sizes.split(",")]
+        data = WORKERS[a.worker](sizes, a.budget)
+        if data:
+            with open(a.out, "w") as f:
+                json.dump(data, f)
+        return 0
+    limit = parse_size(a.max_bytes)
+    sizes = [s for s in DEFAULT_SIZES if s <= limit]
+    results: dict[str, dict] = {}
+    for peer in a.peers.split(","):
+        why = available(peer)
+        if why:
+            print(f"skipping {peer}: {why}")
+            continue
+        print(f"measuring {peer} ...", flush=True)
+        try:
+            results[peer] = run_peer(peer, a.np, sizes, a.budget)
+        except subprocess.CalledProcessError as e:
+            print(f"{peer} failed:\n{e.stderr.decode(errors='replace')[-2000:]}")
+            if peer == "ours":
+                return 1
+    print(f"\nhost: {socket.gethostname()}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
+    print(table(results, sizes, a.np))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
