@@ -22,9 +22,25 @@ from horovod.common.exceptions import HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import context as _context
 from horovod.core.engine import Entry, Handle
-from horovod.core.messages import (ADASUM_OP, ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER,
-                                   BROADCAST, CPU_DEVICE, JOIN, MAX, MIN, PROCESS_SET_ADD,
-                                   PROCESS_SET_REMOVE, PRODUCT, REDUCESCATTER, SUM, Request)
+from horovod.core.messages import (
+    ADASUM_OP,
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    AVERAGE,
+    BARRIER,
+    BROADCAST,
+    CPU_DEVICE,
+    JOIN,
+    MAX,
+    MIN,
+    PROCESS_SET_ADD,
+    PROCESS_SET_REMOVE,
+    PRODUCT,
+    REDUCESCATTER,
+    SUM,
+    Request,
+)
 
 # Reduce ops, as upstream exports them.
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM_OP, MIN, MAX, PRODUCT
@@ -83,8 +99,10 @@ def is_homogeneous() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    raise ValueError("Horovod MPI is not enabled; this build runs on pyhorovod's own TCP "
-                     "transport (the Gloo controller).")
+    raise ValueError(
+        "Horovod MPI is not enabled; this build runs on pyhorovod's own TCP "
+        "transport (the Gloo controller)."
+    )
 
 
 def mpi_enabled() -> bool:
@@ -205,8 +223,10 @@ def _array(tensor: Any, what: str) -> np.ndarray:
         else:
             raise TypeError(f"{what}: expected a NumPy array, got {type(tensor).__name__}")
     if not tensor.flags.c_contiguous:
-        raise ValueError(f"{what}: the array is not C-contiguous (it is a strided view); pass "
-                         "np.ascontiguousarray(x)")
+        raise ValueError(
+            f"{what}: the array is not C-contiguous (it is a strided view); pass "
+            "np.ascontiguousarray(x)"
+        )
     code_of(tensor.dtype, what)
     return tensor
 
@@ -221,13 +241,17 @@ def _resolve_set(ctx: _context.Context, process_set: ProcessSet, what: str) -> i
         raise ValueError(f"{what}: process_set must be a ProcessSet, got {process_set!r}")
     ps_id = process_set.process_set_id
     if ps_id is None or ctx.public_sets.get(ps_id) is not process_set:
-        raise ValueError(f"{what}: {process_set} is not registered; register it with "
-                         "hvd.init(process_sets=[...]) or hvd.add_process_set()")
+        raise ValueError(
+            f"{what}: {process_set} is not registered; register it with "
+            "hvd.init(process_sets=[...]) or hvd.add_process_set()"
+        )
     if ps_id not in ctx.engine.sets:
         raise ValueError(f"{what}: {process_set} has been removed")
     if ctx.rank not in ctx.engine.sets[ps_id].ranks:
-        raise ValueError(f"{what}: rank {ctx.rank} is not a member of {process_set}; only its "
-                         f"ranks {ctx.engine.sets[ps_id].ranks} may call it")
+        raise ValueError(
+            f"{what}: rank {ctx.rank} is not a member of {process_set}; only its "
+            f"ranks {ctx.engine.sets[ps_id].ranks} may call it"
+        )
     return ps_id
 
 
@@ -235,21 +259,27 @@ def _reduce_op(op: int | None, average: bool | None, what: str, default: int = A
     if op is not None and average is not None:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in "
-                      "v1.0", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         op = Average if average else Sum
     if op is None:
         op = default
     if op == Adasum:
-        raise NotImplementedError(f"{what}: op=Adasum is not available in this pyhorovod build "
-                                  "yet; use op=hvd.Average or hvd.Sum")
+        raise NotImplementedError(
+            f"{what}: op=Adasum is not available in this pyhorovod build "
+            "yet; use op=hvd.Average or hvd.Sum"
+        )
     if op not in _REDUCE_OPS:
         raise ValueError(f"{what}: unknown op={op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op
 
 
-def _names(ctx: _context.Context, prefix: str, name: str | None, ps_id: int, n: int | None,
-           count: int = 1) -> list[str]:
+def _names(
+    ctx: _context.Context, prefix: str, name: str | None, ps_id: int, n: int | None, count: int = 1
+) -> list[str]:
     """Core names: ``<op>.<name>``, or ``<op>.noname.<k>`` where k counts this rank's unnamed
     ops on that process set, so unnamed ops match across ranks by call order within the set."""
     if n is None and count != 1:
@@ -281,73 +311,160 @@ def _group_id(ctx: _context.Context, n: int | None) -> int:
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
 
-def submit_allreduce(tensors: Sequence[np.ndarray], outputs: Sequence[np.ndarray], *,
-                     name: str | None, op: int, prescale_factor: float, postscale_factor: float,
-                     process_set: ProcessSet, grouped: bool, device: int = CPU_DEVICE,
-                     finish: Callable[[list], Any] | None = None) -> int:
+def submit_allreduce(
+    tensors: Sequence[np.ndarray],
+    outputs: Sequence[np.ndarray],
+    *,
+    name: str | None,
+    op: int,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    grouped: bool,
+    device: int = CPU_DEVICE,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
     what = "grouped_allreduce" if grouped else "allreduce"
     ctx = _ctx()
     ps_id = _resolve_set(ctx, process_set, what)
     for t in tensors:
         if t.dtype == np.bool_ and op == Average:
-            raise ValueError(f"{what}: op=Average is not defined for bool arrays; use Sum (or), "
-                             "Min (and) or Max (or)")
+            raise ValueError(
+                f"{what}: op=Average is not defined for bool arrays; use Sum (or), "
+                "Min (and) or Max (or)"
+            )
     pre, post = float(prescale_factor), float(postscale_factor)
     if not (math.isfinite(pre) and math.isfinite(post)):
         raise ValueError(f"{what}: prescale_factor and postscale_factor must be finite")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None,
-                   len(tensors))
+    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None, len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
-    entries = [Entry(Request(ps_id, nm, ALLREDUCE, code_of(t.dtype, what), tuple(t.shape), op,
-                             -1, pre, post, device, group), t, o, handle, i)
-               for i, (nm, t, o) in enumerate(zip(names, tensors, outputs))]
+    entries = [
+        Entry(
+            Request(
+                ps_id,
+                nm,
+                ALLREDUCE,
+                code_of(t.dtype, what),
+                tuple(t.shape),
+                op,
+                -1,
+                pre,
+                post,
+                device,
+                group,
+            ),
+            t,
+            o,
+            handle,
+            i,
+        )
+        for i, (nm, t, o) in enumerate(zip(names, tensors, outputs, strict=False))
+    ]
     return _submit(ctx, entries, hid, handle)
 
 
-def submit_allgather(tensors: Sequence[np.ndarray], *, name: str | None, process_set: ProcessSet,
-                     grouped: bool, alloc: Alloc | None = None, device: int = CPU_DEVICE,
-                     finish: Callable[[list], Any] | None = None) -> int:
+def submit_allgather(
+    tensors: Sequence[np.ndarray],
+    *,
+    name: str | None,
+    process_set: ProcessSet,
+    grouped: bool,
+    alloc: Alloc | None = None,
+    device: int = CPU_DEVICE,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
     what = "grouped_allgather" if grouped else "allgather"
     ctx = _ctx()
     ps_id = _resolve_set(ctx, process_set, what)
     for t in tensors:
         if t.ndim == 0:
-            raise ValueError(f"{what}: needs an array with at least one dimension (the one "
-                             "gathered along), got a scalar; reshape it with x.reshape(1)")
+            raise ValueError(
+                f"{what}: needs an array with at least one dimension (the one "
+                "gathered along), got a scalar; reshape it with x.reshape(1)"
+            )
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None,
-                   len(tensors))
+    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None, len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
-    entries = [Entry(Request(ps_id, nm, ALLGATHER, code_of(t.dtype, what), tuple(t.shape),
-                             SUM, -1, 1.0, 1.0, device, group), t, None, handle, i, alloc=alloc)
-               for i, (nm, t) in enumerate(zip(names, tensors))]
+    entries = [
+        Entry(
+            Request(
+                ps_id,
+                nm,
+                ALLGATHER,
+                code_of(t.dtype, what),
+                tuple(t.shape),
+                SUM,
+                -1,
+                1.0,
+                1.0,
+                device,
+                group,
+            ),
+            t,
+            None,
+            handle,
+            i,
+            alloc=alloc,
+        )
+        for i, (nm, t) in enumerate(zip(names, tensors, strict=False))
+    ]
     return _submit(ctx, entries, hid, handle)
 
 
-def submit_broadcast(tensor: np.ndarray, output: np.ndarray, root_rank: int, *, name: str | None,
-                     process_set: ProcessSet, device: int = CPU_DEVICE,
-                     finish: Callable[[list], Any] | None = None) -> int:
+def submit_broadcast(
+    tensor: np.ndarray,
+    output: np.ndarray,
+    root_rank: int,
+    *,
+    name: str | None,
+    process_set: ProcessSet,
+    device: int = CPU_DEVICE,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
     ctx = _ctx()
     ps_id = _resolve_set(ctx, process_set, "broadcast")
     ranks = ctx.engine.sets[ps_id].ranks
     if not isinstance(root_rank, (int, np.integer)) or int(root_rank) not in ranks:
-        raise ValueError(f"broadcast: root_rank={root_rank!r} is not a rank of the process set "
-                         f"(its ranks are {ranks}); root_rank is a global rank")
+        raise ValueError(
+            f"broadcast: root_rank={root_rank!r} is not a rank of the process set "
+            f"(its ranks are {ranks}); root_rank is a global rank"
+        )
     hid = ctx.new_handle()
     (nm,) = _names(ctx, "broadcast", name, ps_id, None)
     handle = Handle(1, _callsite(), finish)
-    entry = Entry(Request(ps_id, nm, BROADCAST, code_of(tensor.dtype, "broadcast"),
-                          tuple(tensor.shape), SUM, int(root_rank), 1.0, 1.0, device), tensor,
-                  output, handle)
+    entry = Entry(
+        Request(
+            ps_id,
+            nm,
+            BROADCAST,
+            code_of(tensor.dtype, "broadcast"),
+            tuple(tensor.shape),
+            SUM,
+            int(root_rank),
+            1.0,
+            1.0,
+            device,
+        ),
+        tensor,
+        output,
+        handle,
+    )
     return _submit(ctx, [entry], hid, handle)
 
 
-def submit_alltoall(tensor: np.ndarray, splits: Any, *, name: str | None,
-                    process_set: ProcessSet, alloc: Alloc | None = None,
-                    device: int = CPU_DEVICE, finish: Callable[[list], Any] | None = None) -> int:
+def submit_alltoall(
+    tensor: np.ndarray,
+    splits: Any,
+    *,
+    name: str | None,
+    process_set: ProcessSet,
+    alloc: Alloc | None = None,
+    device: int = CPU_DEVICE,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
     ctx = _ctx()
     ps_id = _resolve_set(ctx, process_set, "alltoall")
     n = len(ctx.engine.sets[ps_id].ranks)
@@ -356,8 +473,10 @@ def submit_alltoall(tensor: np.ndarray, splits: Any, *, name: str | None,
     d0 = tensor.shape[0]
     if splits is None:
         if d0 % n:
-            raise ValueError(f"alltoall: splits not given, so the first dimension ({d0}) must "
-                             f"be a multiple of the number of ranks ({n}); pass splits=")
+            raise ValueError(
+                f"alltoall: splits not given, so the first dimension ({d0}) must "
+                f"be a multiple of the number of ranks ({n}); pass splits="
+            )
         split_list = [d0 // n] * n
     else:
         arr = np.asarray(splits)
@@ -366,28 +485,56 @@ def submit_alltoall(tensor: np.ndarray, splits: Any, *, name: str | None,
         if arr.dtype.kind not in "iu":
             raise ValueError(f"alltoall: splits must hold integers, got {arr.dtype}")
         if len(arr) != n:
-            raise ValueError(f"alltoall: splits has {len(arr)} entries but the process set has "
-                             f"{n} ranks; give one count per rank")
+            raise ValueError(
+                f"alltoall: splits has {len(arr)} entries but the process set has "
+                f"{n} ranks; give one count per rank"
+            )
         if (arr < 0).any():
             raise ValueError(f"alltoall: splits must be >= 0, got {arr.tolist()}")
         if int(arr.sum()) > d0:
-            raise ValueError(f"alltoall: splits sum to {int(arr.sum())}, more than the first "
-                             f"dimension of the array ({d0})")
+            raise ValueError(
+                f"alltoall: splits sum to {int(arr.sum())}, more than the first "
+                f"dimension of the array ({d0})"
+            )
         split_list = [int(x) for x in arr]
     hid = ctx.new_handle()
     (nm,) = _names(ctx, "alltoall", name, ps_id, None)
     handle = Handle(1, _callsite(), finish)
-    entry = Entry(Request(ps_id, nm, ALLTOALL, code_of(tensor.dtype, "alltoall"),
-                          tuple(tensor.shape), SUM, -1, 1.0, 1.0, device), tensor, None, handle,
-                  splits=split_list, alloc=alloc)
+    entry = Entry(
+        Request(
+            ps_id,
+            nm,
+            ALLTOALL,
+            code_of(tensor.dtype, "alltoall"),
+            tuple(tensor.shape),
+            SUM,
+            -1,
+            1.0,
+            1.0,
+            device,
+        ),
+        tensor,
+        None,
+        handle,
+        splits=split_list,
+        alloc=alloc,
+    )
     return _submit(ctx, [entry], hid, handle)
 
 
-def submit_reducescatter(tensors: Sequence[np.ndarray], *, name: str | None, op: int,
-                         prescale_factor: float, postscale_factor: float,
-                         process_set: ProcessSet, grouped: bool, alloc: Alloc | None = None,
-                         device: int = CPU_DEVICE,
-                         finish: Callable[[list], Any] | None = None) -> int:
+def submit_reducescatter(
+    tensors: Sequence[np.ndarray],
+    *,
+    name: str | None,
+    op: int,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    grouped: bool,
+    alloc: Alloc | None = None,
+    device: int = CPU_DEVICE,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
     what = "grouped_reducescatter" if grouped else "reducescatter"
     if op not in (Average, Sum):
         raise ValueError(f"{what}: only op=hvd.Average and hvd.Sum are supported, got {op}")
@@ -399,14 +546,32 @@ def submit_reducescatter(tensors: Sequence[np.ndarray], *, name: str | None, op:
         if t.dtype == np.bool_:
             raise ValueError(f"{what}: bool arrays cannot be summed; cast them first")
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None,
-                   len(tensors))
+    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None, len(tensors))
     group = _group_id(ctx, len(tensors) if grouped else None)
     handle = Handle(len(tensors), _callsite(), finish)
-    entries = [Entry(Request(ps_id, nm, REDUCESCATTER, code_of(t.dtype, what), tuple(t.shape), op,
-                             -1, float(prescale_factor), float(postscale_factor), device, group),
-                     t, None, handle, i, alloc=alloc)
-               for i, (nm, t) in enumerate(zip(names, tensors))]
+    entries = [
+        Entry(
+            Request(
+                ps_id,
+                nm,
+                REDUCESCATTER,
+                code_of(t.dtype, what),
+                tuple(t.shape),
+                op,
+                -1,
+                float(prescale_factor),
+                float(postscale_factor),
+                device,
+                group,
+            ),
+            t,
+            None,
+            handle,
+            i,
+            alloc=alloc,
+        )
+        for i, (nm, t) in enumerate(zip(names, tensors, strict=False))
+    ]
     return _submit(ctx, entries, hid, handle)
 
 
@@ -439,171 +604,311 @@ def synchronize(handle: int) -> Any:
 
 
 # --------------------------------------------------------------------------------- numpy API
-def allreduce_async(tensor: Any, average: bool | None = None, name: str | None = None,
-                    op: int | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:
+def allreduce_async(
+    tensor: Any,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     op = _reduce_op(op, average, "allreduce")
     t = _array(tensor, "allreduce")
-    return submit_allreduce([t], [np.empty_like(t)], name=name, op=op,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                            process_set=process_set, grouped=False)
+    return submit_allreduce(
+        [t],
+        [np.empty_like(t)],
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        grouped=False,
+    )
 
 
-def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
-              compression: type[Compressor] = Compression.none, op: int | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> np.ndarray:
     """Reduce ``tensor`` over all ranks of ``process_set``; returns a new array."""
     op = _reduce_op(op, average, "allreduce")
     compressed, cctx = compression.compress(_array(tensor, "allreduce"))
-    h = allreduce_async(compressed, name=name, op=op, prescale_factor=prescale_factor,
-                        postscale_factor=postscale_factor, process_set=process_set)
+    h = allreduce_async(
+        compressed,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
     return compression.decompress(synchronize(h), cctx)
 
 
-def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
-                     op: int | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:
+def allreduce_async_(
+    tensor: np.ndarray,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     op = _reduce_op(op, average, "allreduce_")
     t = _array(tensor, "allreduce_")
     _writable(t, "allreduce_")
-    return submit_allreduce([t], [t], name=name, op=op, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, process_set=process_set,
-                            grouped=False)
+    return submit_allreduce(
+        [t],
+        [t],
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        grouped=False,
+    )
 
 
-def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
-               op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> np.ndarray:
+def allreduce_(
+    tensor: np.ndarray,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> np.ndarray:
     """In-place allreduce; returns ``tensor``."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
-def grouped_allreduce_async(tensors: Sequence[Any], average: bool | None = None,
-                            name: str | None = None, op: int | None = None,
-                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
+def grouped_allreduce_async(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     op = _reduce_op(op, average, "grouped_allreduce")
     ts = [_array(t, "grouped_allreduce") for t in tensors]
-    return submit_allreduce(ts, [np.empty_like(t) for t in ts], name=name, op=op,
-                            prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                            process_set=process_set, grouped=True, finish=list)
+    return submit_allreduce(
+        ts,
+        [np.empty_like(t) for t in ts],
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        grouped=True,
+        finish=list,
+    )
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None,
-                      name: str | None = None, compression: type[Compressor] = Compression.none,
-                      op: int | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[np.ndarray]:
     op = _reduce_op(op, average, "grouped_allreduce")
     packed = [compression.compress(_array(t, "grouped_allreduce")) for t in tensors]
-    h = grouped_allreduce_async([p[0] for p in packed], name=name, op=op,
-                                prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set)
-    return [compression.decompress(o, p[1]) for o, p in zip(synchronize(h), packed)]
+    h = grouped_allreduce_async(
+        [p[0] for p in packed],
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
+    return [compression.decompress(o, p[1]) for o, p in zip(synchronize(h), packed, strict=False)]
 
 
-def grouped_allreduce_async_(tensors: Sequence[np.ndarray], average: bool | None = None,
-                             name: str | None = None, op: int | None = None,
-                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                             process_set: ProcessSet = global_process_set) -> int:
+def grouped_allreduce_async_(
+    tensors: Sequence[np.ndarray],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     op = _reduce_op(op, average, "grouped_allreduce_")
     ts = [_array(t, "grouped_allreduce_") for t in tensors]
     for t in ts:
         _writable(t, "grouped_allreduce_")
-    return submit_allreduce(ts, ts, name=name, op=op, prescale_factor=prescale_factor,
-                            postscale_factor=postscale_factor, process_set=process_set,
-                            grouped=True, finish=list)
+    return submit_allreduce(
+        ts,
+        ts,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        grouped=True,
+        finish=list,
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[np.ndarray], average: bool | None = None,
-                       name: str | None = None, op: int | None = None,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor, process_set))
+def grouped_allreduce_(
+    tensors: Sequence[np.ndarray],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[np.ndarray]:
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
 
 
-def allgather_async(tensor: Any, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
-    return submit_allgather([_array(tensor, "allgather")], name=name, process_set=process_set,
-                            grouped=False)
+def allgather_async(
+    tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
+    return submit_allgather(
+        [_array(tensor, "allgather")], name=name, process_set=process_set, grouped=False
+    )
 
 
-def allgather(tensor: Any, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
+def allgather(
+    tensor: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order; the first
     dimension may differ between ranks."""
     return synchronize(allgather_async(tensor, name, process_set))
 
 
-def grouped_allgather_async(tensors: Sequence[Any], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
-    return submit_allgather([_array(t, "grouped_allgather") for t in tensors], name=name,
-                            process_set=process_set, grouped=True, finish=list)
+def grouped_allgather_async(
+    tensors: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
+    return submit_allgather(
+        [_array(t, "grouped_allgather") for t in tensors],
+        name=name,
+        process_set=process_set,
+        grouped=True,
+        finish=list,
+    )
 
 
-def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
+def grouped_allgather(
+    tensors: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[np.ndarray]:
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
-def broadcast_async(tensor: Any, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+def broadcast_async(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     t = _array(tensor, "broadcast")
     return submit_broadcast(t, np.empty_like(t), root_rank, name=name, process_set=process_set)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> np.ndarray:
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> np.ndarray:
     """``root_rank``'s ``tensor`` on every rank (a new array)."""
     return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
+def broadcast_async_(
+    tensor: np.ndarray,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     t = _array(tensor, "broadcast_")
     _writable(t, "broadcast_")
     return submit_broadcast(t, t, root_rank, name=name, process_set=process_set)
 
 
-def broadcast_(tensor: np.ndarray, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> np.ndarray:
+def broadcast_(
+    tensor: np.ndarray,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> np.ndarray:
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
-def alltoall_async(tensor: Any, splits: Any = None, name: str | None = None,
-                   process_set: ProcessSet = global_process_set) -> int:
+def alltoall_async(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
     with_splits = splits is not None
-    return submit_alltoall(_array(tensor, "alltoall"), splits, name=name,
-                           process_set=process_set,
-                           finish=(lambda r: r[0]) if with_splits else (lambda r: r[0][0]))
+    return submit_alltoall(
+        _array(tensor, "alltoall"),
+        splits,
+        name=name,
+        process_set=process_set,
+        finish=(lambda r: r[0]) if with_splits else (lambda r: r[0][0]),
+    )
 
 
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Send ``splits[i]`` rows (in order) to rank i and concatenate what arrives, in rank order.
     Returns the output, or ``(output, received_splits)`` when ``splits`` is given."""
     return synchronize(alltoall_async(tensor, splits, name, process_set))
 
 
-def reducescatter_async(tensor: Any, name: str | None = None, op: int = Average,
-                        process_set: ProcessSet = global_process_set,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+def reducescatter_async(
+    tensor: Any,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     op = _reduce_op(op, None, "reducescatter")
-    return submit_reducescatter([_array(tensor, "reducescatter")], name=name, op=op,
-                                prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set,
-                                grouped=False)
+    return submit_reducescatter(
+        [_array(tensor, "reducescatter")],
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        grouped=False,
+    )
 
 
-def reducescatter(tensor: Any, name: str | None = None,
-                  compression: type[Compressor] = Compression.none, op: int = Average,
-                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> np.ndarray:
+def reducescatter(
+    tensor: Any,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> np.ndarray:
     """Reduce over ranks, then give rank r its block of rows (the first ``d0 % n`` ranks get one
     row more)."""
     compressed, cctx = compression.compress(_array(tensor, "reducescatter"))
@@ -611,27 +916,41 @@ def reducescatter(tensor: Any, name: str | None = None,
     return compression.decompress(synchronize(h), cctx)
 
 
-def grouped_reducescatter_async(tensors: Sequence[Any], name: str | None = None,
-                                op: int = Average,
-                                process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0,
-                                postscale_factor: float = 1.0) -> int:
+def grouped_reducescatter_async(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
     op = _reduce_op(op, None, "grouped_reducescatter")
-    return submit_reducescatter([_array(t, "grouped_reducescatter") for t in tensors], name=name,
-                                op=op, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, process_set=process_set,
-                                grouped=True, finish=list)
+    return submit_reducescatter(
+        [_array(t, "grouped_reducescatter") for t in tensors],
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        grouped=True,
+        finish=list,
+    )
 
 
-def grouped_reducescatter(tensors: Sequence[Any], name: str | None = None,
-                          compression: type[Compressor] = Compression.none, op: int = Average,
-                          process_set: ProcessSet = global_process_set,
-                          prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[np.ndarray]:
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[np.ndarray]:
     packed = [compression.compress(_array(t, "grouped_reducescatter")) for t in tensors]
-    h = grouped_reducescatter_async([p[0] for p in packed], name, op, process_set,
-                                    prescale_factor, postscale_factor)
-    return [compression.decompress(o, p[1]) for o, p in zip(synchronize(h), packed)]
+    h = grouped_reducescatter_async(
+        [p[0] for p in packed], name, op, process_set, prescale_factor, postscale_factor
+    )
+    return [compression.decompress(o, p[1]) for o, p in zip(synchronize(h), packed, strict=False)]
 
 
 def join(device: int = -1) -> int:
@@ -652,8 +971,12 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 # --------------------------------------------------------------------------------- objects
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """``root_rank``'s ``obj`` on every rank (serialised with cloudpickle)."""
     ctx = _ctx()
     name = name or type(obj).__name__
@@ -671,17 +994,19 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     return cloudpickle.loads(buf.tobytes())
 
 
-def allgather_object(obj: Any, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
     """Every rank's ``obj``, as a list in rank order."""
     name = name or type(obj).__name__
     payload = np.frombuffer(cloudpickle.dumps(obj), dtype=np.uint8)
-    sizes = allgather(np.array([payload.size], dtype=np.int64), name=f"{name}.sz",
-                      process_set=process_set)
+    sizes = allgather(
+        np.array([payload.size], dtype=np.int64), name=f"{name}.sz", process_set=process_set
+    )
     data = allgather(payload, name=f"{name}.t", process_set=process_set)
     out, off = [], 0
     for n in sizes.tolist():
-        out.append(cloudpickle.loads(data[off:off + n].tobytes()))
+        out.append(cloudpickle.loads(data[off : off + n].tobytes()))
         off += n
     return out
 
@@ -692,23 +1017,30 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ``init(process_sets="dynamic")``). Every rank must call it, in the same order."""
     ctx = _ctx()
     if not ctx.config.dynamic_process_sets:
-        raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call "
-                         "hvd.init(process_sets='dynamic')) to allow adding process sets after "
-                         "Horovod initialization.")
+        raise ValueError(
+            "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 (or call "
+            "hvd.init(process_sets='dynamic')) to allow adding process sets after "
+            "Horovod initialization."
+        )
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     bad = [r for r in ps.ranks if r >= ctx.size]
     if bad:
-        raise ValueError(f"add_process_set: ranks {bad} do not exist; the job has {ctx.size} "
-                         f"ranks (0..{ctx.size - 1})")
+        raise ValueError(
+            f"add_process_set: ranks {bad} do not exist; the job has {ctx.size} "
+            f"ranks (0..{ctx.size - 1})"
+        )
     if ps.process_set_id is not None and ctx.public_sets.get(ps.process_set_id) is ps:
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     for ps_id, state in ctx.engine.sets.items():
         if state.ranks == ps.ranks:
-            raise ValueError(f"Attempted to add a duplicate process set: {ps} has the same ranks "
-                             f"as registered process set {ps_id}")
+            raise ValueError(
+                f"Attempted to add a duplicate process set: {ps} has the same ranks "
+                f"as registered process set {ps_id}"
+            )
     ctx.op_counters["ps"] += 1
-    new_id = _blocking(ctx, PROCESS_SET_ADD, f"process_set.add.{ctx.op_counters['ps']}", 0,
-                       tuple(ps.ranks))
+    new_id = _blocking(
+        ctx, PROCESS_SET_ADD, f"process_set.add.{ctx.op_counters['ps']}", 0, tuple(ps.ranks)
+    )
     ps.process_set_id = int(new_id)
     ctx.public_sets[ps.process_set_id] = ps
     ctx.op_counters.pop(f"noname.{new_id}", None)  # ids are reused: restart its auto-names
@@ -720,8 +1052,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     set."""
     ctx = _ctx()
     if not ctx.config.dynamic_process_sets:
-        raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing process sets "
-                         "after Horovod initialization.")
+        raise ValueError(
+            "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing process sets "
+            "after Horovod initialization."
+        )
     ps_id = process_set.process_set_id
     if ps_id in (None, 0) or ctx.public_sets.get(ps_id) is not process_set:
         return False
@@ -733,16 +1067,66 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_enabled",
-    "mpi_built", "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built",
-    "cuda_built", "rocm_built", "start_timeline", "stop_timeline", "Average", "Sum", "Adasum",
-    "Min", "Max", "Product", "Compression", "allreduce", "allreduce_async", "allreduce_",
-    "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",
-    "grouped_allgather_async", "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "grouped_reducescatter", "grouped_reducescatter_async", "join", "barrier", "poll",
-    "synchronize", "broadcast_object", "allgather_object", "ProcessSet", "global_process_set",
-    "add_process_set", "remove_process_set", "HorovodInternalError",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "size",
+    "rank",
+    "local_size",
+    "local_rank",
+    "cross_size",
+    "cross_rank",
+    "is_homogeneous",
+    "mpi_threads_supported",
+    "mpi_enabled",
+    "mpi_built",
+    "gloo_enabled",
+    "gloo_built",
+    "nccl_built",
+    "ddl_built",
+    "ccl_built",
+    "cuda_built",
+    "rocm_built",
+    "start_timeline",
+    "stop_timeline",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "Compression",
+    "allreduce",
+    "allreduce_async",
+    "allreduce_",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "grouped_allreduce_",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
+    "barrier",
+    "poll",
+    "synchronize",
+    "broadcast_object",
+    "allgather_object",
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    "HorovodInternalError",
 ]

@@ -31,10 +31,13 @@ class RankFailed(AssertionError):
 
     def __init__(self, failures: dict[int, BaseException], tracebacks: dict[int, str]) -> None:
         first = min(failures)
-        parts = [f"rank {r} raised {type(e).__name__}: {e}\n{tracebacks[r]}"
-                 for r, e in sorted(failures.items())]
-        super().__init__(f"{len(failures)} rank(s) failed; first: rank {first}\n\n"
-                         + "\n".join(parts))
+        parts = [
+            f"rank {r} raised {type(e).__name__}: {e}\n{tracebacks[r]}"
+            for r, e in sorted(failures.items())
+        ]
+        super().__init__(
+            f"{len(failures)} rank(s) failed; first: rank {first}\n\n" + "\n".join(parts)
+        )
         self.failures = failures
         self.first = failures[first]
 
@@ -48,9 +51,16 @@ def _barrier_quietly() -> None:
         pass  # the job already failed elsewhere; that rank's error is what gets reported
 
 
-def run_ranks(fn: Callable[[int], Any], size: int, *, env: Mapping[str, str] | None = None,
-              hosts: Sequence[str] | None = None, init: bool = True, timeout: float = 60.0,
-              init_kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+def run_ranks(
+    fn: Callable[[int], Any],
+    size: int,
+    *,
+    env: Mapping[str, str] | None = None,
+    hosts: Sequence[str] | None = None,
+    init: bool = True,
+    timeout: float = 60.0,
+    init_kwargs: Mapping[str, Any] | None = None,
+) -> list[Any]:
     """Run ``fn(rank)`` on ``size`` rank threads and return the results in rank order.
 
     ``env``: HOROVOD_* settings for every rank (the process environment is not read).
@@ -86,8 +96,9 @@ def run_ranks(fn: Callable[[int], Any], size: int, *, env: Mapping[str, str] | N
                 failures.setdefault(rank, e)
                 tbs.setdefault(rank, traceback.format_exc())
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True)
-               for r in range(size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"rank-{r}", daemon=True) for r in range(size)
+    ]
     for t in threads:
         t.start()
     for t in threads:

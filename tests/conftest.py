@@ -22,8 +22,9 @@ def rank_data(rank: int, n: int, dtype, shape=None) -> np.ndarray:
     return base.astype(dtype).reshape(shape if shape is not None else (n,))
 
 
-def run_script(script: str, np_: int = 2, *, args=(), env=None, timeout=60, launcher_args=(),
-               raw=False):
+def run_script(
+    script: str, np_: int = 2, *, args=(), env=None, timeout=60, launcher_args=(), raw=False
+):
     """Run ``script`` (Python source) under the real horovodrun; returns CompletedProcess."""
     import tempfile
 
@@ -34,8 +35,17 @@ def run_script(script: str, np_: int = 2, *, args=(), env=None, timeout=60, laun
     full_env = dict(os.environ)
     full_env.update(env or {})
     full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_), *launcher_args,
-           sys.executable, path, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "horovod.runner.launch",
+        "-np",
+        str(np_),
+        *launcher_args,
+        sys.executable,
+        path,
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=not raw, timeout=timeout, env=full_env)
 
 

@@ -41,8 +41,9 @@ def test_allreduce_ops(size, n, op):
         np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", NUMERIC + ([BFLOAT16] if BFLOAT16 is not None else []),
-                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(
+    "dtype", NUMERIC + ([BFLOAT16] if BFLOAT16 is not None else []), ids=lambda d: np.dtype(d).name
+)
 def test_allreduce_dtypes_sum(size, dtype):
     def body(rank):
         return hvd.allreduce(rank_data(rank, 17, dtype), op=hvd.Sum)
@@ -55,6 +56,7 @@ def test_allreduce_dtypes_sum(size, dtype):
 
 def test_allreduce_identical_bits_on_every_rank():
     """Float sums of random data must be bitwise identical everywhere (one reduction order)."""
+
     def body(rank):
         x = np.random.default_rng(rank).standard_normal(200_003).astype(np.float32)
         return hvd.allreduce(x, op=hvd.Sum)
@@ -80,8 +82,9 @@ def test_prescale_postscale(size, dtype):
     pre, post = 0.5, 3.0
 
     def body(rank):
-        return hvd.allreduce(rank_data(rank, 17, dtype), op=hvd.Average, prescale_factor=pre,
-                             postscale_factor=post)
+        return hvd.allreduce(
+            rank_data(rank, 17, dtype), op=hvd.Average, prescale_factor=pre, postscale_factor=post
+        )
 
     for got in run_ranks(body, size):
         if np.dtype(dtype).kind == "i":
@@ -140,12 +143,12 @@ def test_grouped_allreduce(size):
         out = hvd.grouped_allreduce(ts, op=hvd.Sum, name="grp")
         inplace = [t.copy() for t in ts]
         res = hvd.grouped_allreduce_(inplace, op=hvd.Average)
-        assert all(a is b for a, b in zip(res, inplace))
+        assert all(a is b for a, b in zip(res, inplace, strict=False))
         h = hvd.grouped_allreduce_async(ts, op=hvd.Max)
         return out, inplace, hvd.synchronize(h)
 
     for out, avg, mx in run_ranks(body, size):
-        for n, o, a, m in zip((1, 17, 0, 300), out, avg, mx):
+        for n, o, a, m in zip((1, 17, 0, 300), out, avg, mx, strict=False):
             np.testing.assert_array_equal(o, expected_reduce(size, n, np.float64, hvd.Sum))
             np.testing.assert_allclose(a, expected_reduce(size, n, np.float64, hvd.Average))
             np.testing.assert_array_equal(m, expected_reduce(size, n, np.float64, hvd.Max))
@@ -157,8 +160,9 @@ def test_allgather_uneven(size, dtype):
         rows = rank * 2 + (1 if rank % 2 else 0)  # 0, 3, 4, 7, 8 rows: includes empty
         return hvd.allgather(rank_data(rank, rows * 3, dtype, (rows, 3)))
 
-    want = np.concatenate([rank_data(r, (r * 2 + r % 2) * 3, dtype, (r * 2 + r % 2, 3))
-                           for r in range(size)])
+    want = np.concatenate(
+        [rank_data(r, (r * 2 + r % 2) * 3, dtype, (r * 2 + r % 2, 3)) for r in range(size)]
+    )
     for got in run_ranks(body, size):
         assert got.dtype == np.dtype(dtype) and got.shape == want.shape
         np.testing.assert_array_equal(got, want)
@@ -171,8 +175,9 @@ def test_allgather_large_and_grouped(size):
         return hvd.allgather(big), hvd.grouped_allgather([small, big])
 
     want_big = np.concatenate([rank_data(r, 50_000 + r, np.float32) for r in range(size)])
-    want_small = np.concatenate([rank_data(r, 2 * (r + 1), np.int64, (r + 1, 2))
-                                 for r in range(size)])
+    want_small = np.concatenate(
+        [rank_data(r, 2 * (r + 1), np.int64, (r + 1, 2)) for r in range(size)]
+    )
     for big, (g_small, g_big) in run_ranks(body, size):
         np.testing.assert_array_equal(big, want_big)
         np.testing.assert_array_equal(g_small, want_small)
@@ -204,9 +209,11 @@ def test_alltoall_with_splits(size):
 
     def body(rank):
         sp = splits_of(rank)
-        rows = np.concatenate([np.full((k, 2), 100 * rank + p, np.int32)
-                               for p, k in enumerate(sp)]) if sum(sp) else np.zeros((0, 2),
-                                                                                     np.int32)
+        rows = (
+            np.concatenate([np.full((k, 2), 100 * rank + p, np.int32) for p, k in enumerate(sp)])
+            if sum(sp)
+            else np.zeros((0, 2), np.int32)
+        )
         return hvd.alltoall(rows, splits=sp)
 
     for rank, (out, received) in enumerate(run_ranks(body, size)):
@@ -221,8 +228,9 @@ def test_alltoall_even_without_splits(size):
         return hvd.alltoall(np.arange(size * 2, dtype=np.float64) + 10 * rank)
 
     for rank, out in enumerate(run_ranks(body, size)):
-        want = np.concatenate([np.arange(size * 2)[2 * rank:2 * rank + 2] + 10 * s
-                               for s in range(size)])
+        want = np.concatenate(
+            [np.arange(size * 2)[2 * rank : 2 * rank + 2] + 10 * s for s in range(size)]
+        )
         np.testing.assert_array_equal(out, want)
 
 
@@ -247,7 +255,7 @@ def test_reducescatter_uneven(size, rows, op):
     start = 0
     for rank, got in enumerate(run_ranks(body, size)):
         n = base + (1 if rank < extra else 0)
-        np.testing.assert_allclose(got, total[start:start + n])
+        np.testing.assert_allclose(got, total[start : start + n])
         start += n
 
 
@@ -263,8 +271,8 @@ def test_grouped_reducescatter(size):
     for rank, (ga, gb) in enumerate(run_ranks(body, size)):
         na = 7 // size + (1 if rank < 7 % size else 0)
         nb = 4 // size + (1 if rank < 4 % size else 0)
-        np.testing.assert_array_equal(ga, ta[sa:sa + na])
-        np.testing.assert_array_equal(gb, tb[sb:sb + nb])
+        np.testing.assert_array_equal(ga, ta[sa : sa + na])
+        np.testing.assert_array_equal(gb, tb[sb : sb + nb])
         sa += na
         sb += nb
 

@@ -52,8 +52,10 @@ def test_ranks_may_submit_named_tensors_in_different_orders():
         order = names if rank % 2 == 0 else names[::-1]
         rng = np.random.default_rng(rank)
         order = list(order) if rank < 2 else list(rng.permutation(names))
-        handles = {n: hvd.allreduce_async(np.full(3, int(n[1:]) + rank, np.int64), name=n,
-                                          op=hvd.Sum) for n in order}
+        handles = {
+            n: hvd.allreduce_async(np.full(3, int(n[1:]) + rank, np.int64), name=n, op=hvd.Sum)
+            for n in order
+        }
         return {n: hvd.synchronize(h) for n, h in handles.items()}
 
     size = 3
@@ -75,9 +77,11 @@ def test_unnamed_ops_match_by_call_order():
 def test_bursts_are_fused_into_one_buffer_that_is_reused():
     def body(rank):
         eng = current().engine
-        for step in range(5):
-            hs = [hvd.allreduce_async(np.full(100, rank + i, np.float32), name=f"g{i}",
-                                      op=hvd.Sum) for i in range(30)]
+        for _step in range(5):
+            hs = [
+                hvd.allreduce_async(np.full(100, rank + i, np.float32), name=f"g{i}", op=hvd.Sum)
+                for i in range(30)
+            ]
             outs = [hvd.synchronize(h) for h in hs]
             for i, o in enumerate(outs):
                 np.testing.assert_array_equal(o, np.full(100, 3 * i + 3, np.float32))
@@ -85,8 +89,8 @@ def test_bursts_are_fused_into_one_buffer_that_is_reused():
 
     env = {"HOROVOD_CYCLE_TIME": "20"}  # long rounds: a burst arrives in one or two rounds
     for fused, allocations in run_ranks(body, 3, env=env):
-        assert fused >= 5          # every step fused at least once
-        assert allocations <= 2    # the fusion buffer is not reallocated per cycle
+        assert fused >= 5  # every step fused at least once
+        assert allocations <= 2  # the fusion buffer is not reallocated per cycle
 
 
 def test_fusion_threshold_zero_disables_fusion():
@@ -125,7 +129,7 @@ def test_fusion_respects_the_threshold():
 
 def test_response_cache_fast_path_in_steady_state():
     def body(rank):
-        for step in range(6):
+        for _step in range(6):
             hs = [hvd.allreduce_async(np.ones(8) * rank, name=f"w{i}") for i in range(10)]
             [hvd.synchronize(h) for h in hs]
         return dict(current().engine.stats)  # copied before the harness's closing barrier
@@ -139,7 +143,7 @@ def test_response_cache_fast_path_in_steady_state():
 
 def test_cache_disabled_sends_full_requests():
     def body(rank):
-        for step in range(3):
+        for _step in range(3):
             hvd.allreduce(np.ones(8), name="w")
         return dict(current().engine.stats)
 
@@ -160,9 +164,11 @@ def test_cache_invalidated_when_a_name_changes_shape():
 def test_cache_eviction_with_small_capacity_stays_correct():
     def body(rank):
         out = []
-        for step in range(4):
-            hs = [hvd.allreduce_async(np.full(3, i + rank), name=f"n{i}", op=hvd.Sum)
-                  for i in range(7)]
+        for _step in range(4):
+            hs = [
+                hvd.allreduce_async(np.full(3, i + rank), name=f"n{i}", op=hvd.Sum)
+                for i in range(7)
+            ]
             out.append([int(hvd.synchronize(h)[0]) for h in hs])
         return out
 
@@ -185,7 +191,7 @@ def test_allgather_cached_with_changing_first_dim():
 
 def test_join_contributes_zeros_and_returns_last_rank():
     def body(rank):
-        steps = rank + 1          # rank r has r + 1 batches
+        steps = rank + 1  # rank r has r + 1 batches
         sums = []
         for i in range(steps):
             sums.append(float(hvd.allreduce(np.array([1.0]), op=hvd.Sum, name=f"b{i}")[0]))
@@ -229,6 +235,7 @@ def test_barrier_blocks_until_everyone_arrives():
     def body(rank):
         if rank == 1:
             import time
+
             time.sleep(0.2)
         arrived.append(rank)
         hvd.barrier()
@@ -270,12 +277,22 @@ def test_topology_from_host_names():
     hosts = ["a", "a", "b", "b", "b"]
 
     def body(rank):
-        return (hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size(),
-                hvd.is_homogeneous())
+        return (
+            hvd.local_rank(),
+            hvd.local_size(),
+            hvd.cross_rank(),
+            hvd.cross_size(),
+            hvd.is_homogeneous(),
+        )
 
     res = run_ranks(body, 5, hosts=hosts)
-    assert res == [(0, 2, 0, 2, False), (1, 2, 0, 2, False), (0, 3, 1, 2, False),
-                   (1, 3, 1, 2, False), (2, 3, 0, 1, False)]
+    assert res == [
+        (0, 2, 0, 2, False),
+        (1, 2, 0, 2, False),
+        (0, 3, 1, 2, False),
+        (1, 3, 1, 2, False),
+        (2, 3, 0, 1, False),
+    ]
     assert run_ranks(body, 4, hosts=["a", "a", "b", "b"])[3] == (1, 2, 1, 2, True)
 
 
@@ -287,8 +304,14 @@ def test_build_and_enabled_flags():
         assert not hvd.ddl_built() and not hvd.ccl_built()
         with pytest.raises(ValueError, match="MPI is not enabled"):
             hvd.mpi_threads_supported()
-        assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3,
-                                                                                      4, 5)
+        assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (
+            0,
+            1,
+            2,
+            3,
+            4,
+            5,
+        )
 
     run_ranks(body, 1)
 

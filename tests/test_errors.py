@@ -13,6 +13,7 @@ from horovod.testing import RankFailed, run_ranks
 
 def errors_on_every_rank(body, size=3):
     """Run ``body``; return the HorovodInternalError text each rank got."""
+
     def wrapped(rank):
         with pytest.raises(HorovodInternalError) as info:
             body(rank)
@@ -24,7 +25,8 @@ def errors_on_every_rank(body, size=3):
 
 def test_shape_mismatch_names_tensor_ranks_values():
     msgs = errors_on_every_rank(
-        lambda r: hvd.allreduce(np.zeros((4, 2 if r != 2 else 3)), name="fc1.weight"))
+        lambda r: hvd.allreduce(np.zeros((4, 2 if r != 2 else 3)), name="fc1.weight")
+    )
     for m in msgs:
         assert "allreduce 'fc1.weight'" in m
         assert "shape (4, 2) on rank 0 but (4, 3) on rank 2" in m
@@ -34,13 +36,15 @@ def test_shape_mismatch_names_tensor_ranks_values():
 
 def test_dtype_mismatch():
     msgs = errors_on_every_rank(
-        lambda r: hvd.allreduce(np.zeros(3, np.float32 if r else np.int32), name="t"))
+        lambda r: hvd.allreduce(np.zeros(3, np.float32 if r else np.int32), name="t")
+    )
     assert all("dtype int32 on rank 0 but float32 on rank 1" in m for m in msgs)
 
 
 def test_op_mismatch():
     msgs = errors_on_every_rank(
-        lambda r: hvd.allreduce(np.zeros(3), name="t", op=hvd.Sum if r != 1 else hvd.Max))
+        lambda r: hvd.allreduce(np.zeros(3), name="t", op=hvd.Sum if r != 1 else hvd.Max)
+    )
     assert all("reduce op Sum on rank 0 but Max on rank 1" in m for m in msgs)
 
 
@@ -65,22 +69,27 @@ def test_collective_type_mismatch():
 
 def test_scale_factor_mismatch():
     msgs = errors_on_every_rank(
-        lambda r: hvd.allreduce(np.zeros(3), name="t", prescale_factor=2.0 if r == 2 else 1.0))
-    assert all("(prescale_factor, postscale_factor) (1.0, 1.0) on rank 0 but (2.0, 1.0) on "
-               "rank 2" in m for m in msgs)
+        lambda r: hvd.allreduce(np.zeros(3), name="t", prescale_factor=2.0 if r == 2 else 1.0)
+    )
+    assert all(
+        "(prescale_factor, postscale_factor) (1.0, 1.0) on rank 0 but (2.0, 1.0) on rank 2" in m
+        for m in msgs
+    )
 
 
 def test_broadcast_root_mismatch():
-    msgs = errors_on_every_rank(lambda r: hvd.broadcast(np.zeros(3), root_rank=0 if r else 1,
-                                                        name="b"))
+    msgs = errors_on_every_rank(
+        lambda r: hvd.broadcast(np.zeros(3), root_rank=0 if r else 1, name="b")
+    )
     assert all("root_rank 1 on rank 0 but 0 on rank 1" in m for m in msgs)
 
 
 def test_allgather_trailing_dim_mismatch():
     msgs = errors_on_every_rank(lambda r: hvd.allgather(np.zeros((2, 3 + (r == 1))), name="g"))
     assert all("only the first dimension may differ" in m for m in msgs)
-    msgs = errors_on_every_rank(lambda r: hvd.allgather(np.zeros((2, 3) if r else (2, 3, 1)),
-                                                        name="g"))
+    msgs = errors_on_every_rank(
+        lambda r: hvd.allgather(np.zeros((2, 3) if r else (2, 3, 1)), name="g")
+    )
     assert all("number of dimensions 3 on rank 0 but 2 on rank 1" in m for m in msgs)
 
 
@@ -118,16 +127,24 @@ def test_duplicate_name_within_one_submission():
     run_ranks(body, 1)
 
 
-@pytest.mark.parametrize("bad, exc, pattern", [
-    (np.zeros(3, np.complex64), ValueError, "dtype complex64 is not supported"),
-    (np.array(["a"]), ValueError, "is not supported"),
-    (np.zeros((4, 4))[:, ::2], ValueError, "not C-contiguous"),
-    ({"a": 1}, TypeError, "expected a NumPy array"),
-])
+@pytest.mark.parametrize(
+    "bad, exc, pattern",
+    [
+        (np.zeros(3, np.complex64), ValueError, "dtype complex64 is not supported"),
+        (np.array(["a"]), ValueError, "is not supported"),
+        (np.zeros((4, 4))[:, ::2], ValueError, "not C-contiguous"),
+        ({"a": 1}, TypeError, "expected a NumPy array"),
+    ],
+)
 def test_bad_arrays_fail_at_call(bad, exc, pattern):
     def body(rank):
-        for fn in (hvd.allreduce, hvd.allgather, lambda x: hvd.broadcast(x, 0),
-                   hvd.alltoall, hvd.reducescatter):
+        for fn in (
+            hvd.allreduce,
+            hvd.allgather,
+            lambda x: hvd.broadcast(x, 0),
+            hvd.alltoall,
+            hvd.reducescatter,
+        ):
             with pytest.raises(exc, match=pattern):
                 fn(bad)
 
@@ -190,9 +207,17 @@ def test_average_parameter_is_deprecated():
 
 
 def test_not_initialized_errors():
-    for fn in (hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank,
-               hvd.cross_size, hvd.is_homogeneous, lambda: hvd.allreduce(np.zeros(1)),
-               lambda: hvd.start_timeline("x")):
+    for fn in (
+        hvd.size,
+        hvd.rank,
+        hvd.local_rank,
+        hvd.local_size,
+        hvd.cross_rank,
+        hvd.cross_size,
+        hvd.is_homogeneous,
+        lambda: hvd.allreduce(np.zeros(1)),
+        lambda: hvd.start_timeline("x"),
+    ):
         with pytest.raises(ValueError, match="has not been initialized"):
             fn()
     assert not hvd.is_initialized()
@@ -202,6 +227,7 @@ def test_not_initialized_errors():
 def test_failing_rank_does_not_hang_the_others():
     """Rank 1 raises before its allreduce: the harness shuts it down and rank 0's pending op
     fails with the shutdown message instead of waiting forever."""
+
     def body(rank):
         if rank == 1:
             raise RuntimeError("boom on rank 1")
@@ -237,7 +263,7 @@ def test_crashed_rank_is_named_on_every_other_rank():
 
     def body(rank):
         if rank == 2:
-            current().engine.transport.close()   # connection lost, no shutdown message
+            current().engine.transport.close()  # connection lost, no shutdown message
             ev.set()
             return None
         ev.wait(10)

@@ -15,9 +15,9 @@ def test_assignment_matches_upstream_example():
     # upstream: worker-0:1,worker-1:2, np 3 -> (w0,r0,l0,c0,ls1,cs2), (w1,r1,l0,c1,ls2,cs2),
     # (w1,r2,l1,c0,ls2,cs1)
     s = assign_slots(parse_hosts("worker-0:1,worker-1:2"), 3)
-    assert [(x.hostname, x.rank, x.local_rank, x.cross_rank, x.local_size, x.cross_size)
-            for x in s] == [("worker-0", 0, 0, 0, 1, 2), ("worker-1", 1, 0, 1, 2, 2),
-                            ("worker-1", 2, 1, 0, 2, 1)]
+    assert [
+        (x.hostname, x.rank, x.local_rank, x.cross_rank, x.local_size, x.cross_size) for x in s
+    ] == [("worker-0", 0, 0, 0, 1, 2), ("worker-1", 1, 0, 1, 2, 2), ("worker-1", 2, 1, 0, 2, 1)]
     assert all(x.size == 3 for x in s)
     assert s[2].env()["HOROVOD_CROSS_SIZE"] == "1"
 
@@ -25,7 +25,10 @@ def test_assignment_matches_upstream_example():
 def test_np_smaller_than_slots_fills_hosts_in_order():
     s = assign_slots(parse_hosts("a:2,b:2"), 3)
     assert [(x.hostname, x.local_rank, x.local_size) for x in s] == [
-        ("a", 0, 2), ("a", 1, 2), ("b", 0, 1)]
+        ("a", 0, 2),
+        ("a", 1, 2),
+        ("b", 0, 1),
+    ]
     with pytest.raises(ValueError, match=r"more processes \(5\) than there are available slots"):
         assign_slots(parse_hosts("a:2,b:2"), 5)
 

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 
 def test_success_env_contract_and_prefixes():
-    r = run_script("""
+    r = run_script(
+        """
         import os, sys, numpy as np, horovod.numpy as hvd
         hvd.init()
         keys = ["HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
@@ -28,19 +29,24 @@ def test_success_env_contract_and_prefixes():
         s = hvd.allreduce(np.array([hvd.rank()]), op=hvd.Sum)
         print("sum", int(s[0]), "rank", hvd.rank(), "local", hvd.local_rank())
         print("to stderr", file=sys.stderr)
-    """, 3)
+    """,
+        3,
+    )
     assert r.returncode == 0, r.stderr
     for rank in range(3):
         assert f"[{rank}]<stdout>:sum 3 rank {rank} local {rank}" in r.stdout
         assert f"[{rank}]<stderr>:to stderr" in r.stderr
-        assert (f"'HOROVOD_RANK': '{rank}', 'HOROVOD_SIZE': '3', 'HOROVOD_LOCAL_RANK': '{rank}', "
-                "'HOROVOD_LOCAL_SIZE': '3', 'HOROVOD_CROSS_RANK': '0', 'HOROVOD_CROSS_SIZE': '1'"
-                in r.stdout)
+        assert (
+            f"'HOROVOD_RANK': '{rank}', 'HOROVOD_SIZE': '3', 'HOROVOD_LOCAL_RANK': '{rank}', "
+            "'HOROVOD_LOCAL_SIZE': '3', 'HOROVOD_CROSS_RANK': '0', 'HOROVOD_CROSS_SIZE': '1'"
+            in r.stdout
+        )
     assert "'HOROVOD_CONTROLLER': 'gloo'" in r.stdout and "'PYTHONUNBUFFERED': '1'" in r.stdout
 
 
 def test_failure_of_one_rank_stops_all_and_reports_root_cause_last():
-    r = run_script("""
+    r = run_script(
+        """
         import sys, time, numpy as np, horovod.numpy as hvd
         hvd.init()
         hvd.allreduce(np.ones(3))
@@ -50,12 +56,14 @@ def test_failure_of_one_rank_stops_all_and_reports_root_cause_last():
         while True:
             hvd.allreduce(np.ones(3))
             time.sleep(0.01)
-    """, 3)
+    """,
+        3,
+    )
     assert r.returncode == 1
     tail = r.stderr.strip().splitlines()
     root = next(i for i, line in enumerate(tail) if line.startswith("Root cause:"))
     assert "rank 1 on host" in tail[root] and "failed with KeyError: 'bad batch 42'" in tail[root]
-    assert "KeyError: 'bad batch 42'" in "\n".join(tail[root:])   # its traceback comes last
+    assert "KeyError: 'bad batch 42'" in "\n".join(tail[root:])  # its traceback comes last
     assert any("rank 0 (" in line and "rank 1 failed" in line for line in tail[:root])
     assert any("rank 2 (" in line and "rank 1 failed" in line for line in tail[:root])
     # the other ranks were told what happened on rank 1, not just "shut down"
@@ -63,7 +71,8 @@ def test_failure_of_one_rank_stops_all_and_reports_root_cause_last():
 
 
 def test_killed_rank_is_named_by_every_other_rank():
-    r = run_script("""
+    r = run_script(
+        """
         import os, signal, time, numpy as np, horovod.numpy as hvd
         from horovod.common.exceptions import HorovodInternalError
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # survive horovodrun's stop to report
@@ -76,7 +85,10 @@ def test_killed_rank_is_named_by_every_other_rank():
         except HorovodInternalError as e:
             print("ERROR", e, flush=True)
             raise SystemExit(1)
-    """, 3, timeout=60)
+    """,
+        3,
+        timeout=60,
+    )
     assert r.returncode == 137
     assert "killed by signal SIGKILL" in r.stderr
     for rank in (0, 1):
@@ -84,42 +96,67 @@ def test_killed_rank_is_named_by_every_other_rank():
 
 
 def test_exit_code_and_nonzero_exit_without_exception():
-    r = run_script("import sys, horovod.numpy as hvd\nhvd.init()\n"
-                   "sys.exit(7 if hvd.rank() == 0 else 0)\n", 2)
+    r = run_script(
+        "import sys, horovod.numpy as hvd\nhvd.init()\nsys.exit(7 if hvd.rank() == 0 else 0)\n", 2
+    )
     assert r.returncode == 7
     assert "Root cause: rank 0" in r.stderr and "exited with code 7" in r.stderr
     assert "Rank 0 printed nothing." in r.stderr
 
 
 def test_np_smaller_than_slots_runs_exactly_np():
-    r = run_script("import horovod.numpy as hvd\nhvd.init()\nprint('size', hvd.size())\n", 2,
-                   launcher_args=["-H", "localhost:4"])
+    r = run_script(
+        "import horovod.numpy as hvd\nhvd.init()\nprint('size', hvd.size())\n",
+        2,
+        launcher_args=["-H", "localhost:4"],
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("size 2") == 2 and "[2]" not in r.stdout
 
 
 def test_progress_bars_with_carriage_returns_are_forwarded():
-    r = run_script("""
+    r = run_script(
+        """
         import sys
         for i in range(3):
             sys.stdout.write(f"progress {i}\\r"); sys.stdout.flush()
         sys.stdout.write("done\\n"); sys.stdout.write("no newline at end")
-    """, 1, raw=True)
+    """,
+        1,
+        raw=True,
+    )
     assert r.returncode == 0
-    assert r.stdout == (b"[0]<stdout>:progress 0\r[0]<stdout>:progress 1\r[0]<stdout>:progress 2\r"
-                        b"[0]<stdout>:done\n[0]<stdout>:no newline at end\n")
+    assert r.stdout == (
+        b"[0]<stdout>:progress 0\r[0]<stdout>:progress 1\r[0]<stdout>:progress 2\r"
+        b"[0]<stdout>:done\n[0]<stdout>:no newline at end\n"
+    )
 
 
 def test_flags_become_worker_environment(tmp_path):
-    r = run_script("""
+    r = run_script(
+        """
         import os
         print(os.environ.get("HOROVOD_FUSION_THRESHOLD"), os.environ.get("HOROVOD_CYCLE_TIME"),
               os.environ.get("HOROVOD_CACHE_CAPACITY"), os.environ.get("HOROVOD_LOG_LEVEL"),
               os.environ.get("HOROVOD_START_TIMEOUT"))
-    """, 1, launcher_args=["--fusion-threshold-mb", "2", "--cycle-time-ms", "3",
-                           "--cache-capacity", "0", "--log-level", "debug",
-                           "--start-timeout", "12", "--output-filename", str(tmp_path),
-                           "--prefix-output-with-timestamp"])
+    """,
+        1,
+        launcher_args=[
+            "--fusion-threshold-mb",
+            "2",
+            "--cycle-time-ms",
+            "3",
+            "--cache-capacity",
+            "0",
+            "--log-level",
+            "debug",
+            "--start-timeout",
+            "12",
+            "--output-filename",
+            str(tmp_path),
+            "--prefix-output-with-timestamp",
+        ],
+    )
     assert r.returncode == 0, r.stderr
     assert "<stdout>:2097152 3.0 0 DEBUG 12.0" in r.stdout
     assert (tmp_path / "rank.0" / "stdout").read_text() == "2097152 3.0 0 DEBUG 12.0\n"
@@ -128,22 +165,33 @@ def test_flags_become_worker_environment(tmp_path):
 
 def _launcher(*args):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "horovod.runner.launch", *args],
-                          capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "horovod.runner.launch", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["python", "x.py"], "-np/--num-proc is required"),
-    (["-np", "2"], "no training command"),
-    (["-np", "0", "python"], "-np must be at least 1"),
-    (["-np", "3", "-H", "localhost:2", "python"], "Requested more processes (3) than there are"),
-    (["-np", "1", "-H", "local host:1", "python"], "Invalid host input"),
-    (["-np", "1", "-H", "localhost:1,localhost:2", "python"], "listed more than once"),
-    (["-np", "1", "-H", "far-away-host.invalid:1", "python"], "are not this machine"),
-    (["-np", "1", "no-such-command-xyz"], "command not found: no-such-command-xyz"),
-    (["-np", "1", "--mpi", "python"], "--mpi is not available"),
-    (["-np", "1", "--fusion-threshold-mb", "-1", "python"], "must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["python", "x.py"], "-np/--num-proc is required"),
+        (["-np", "2"], "no training command"),
+        (["-np", "0", "python"], "-np must be at least 1"),
+        (
+            ["-np", "3", "-H", "localhost:2", "python"],
+            "Requested more processes (3) than there are",
+        ),
+        (["-np", "1", "-H", "local host:1", "python"], "Invalid host input"),
+        (["-np", "1", "-H", "localhost:1,localhost:2", "python"], "listed more than once"),
+        (["-np", "1", "-H", "far-away-host.invalid:1", "python"], "are not this machine"),
+        (["-np", "1", "no-such-command-xyz"], "command not found: no-such-command-xyz"),
+        (["-np", "1", "--mpi", "python"], "--mpi is not available"),
+        (["-np", "1", "--fusion-threshold-mb", "-1", "python"], "must be >= 0"),
+    ],
+)
 def test_bad_invocations_are_explained(args, message):
     r = _launcher(*args)
     assert r.returncode == 2
@@ -159,8 +207,11 @@ def test_check_build_and_version():
 def test_hostfile(tmp_path):
     hf = tmp_path / "hosts"
     hf.write_text("# cluster\nlocalhost slots=2\n")
-    r = run_script("import horovod.numpy as hvd\nhvd.init()\nprint(hvd.size())\n", 2,
-                   launcher_args=["-hostfile", str(hf)])
+    r = run_script(
+        "import horovod.numpy as hvd\nhvd.init()\nprint(hvd.size())\n",
+        2,
+        launcher_args=["-hostfile", str(hf)],
+    )
     assert r.returncode == 0 and r.stdout.count("2\n") == 2
 
 
@@ -186,9 +237,13 @@ def test_ctrl_c_stops_every_worker(sig, code):
     with open(path, "w") as f:
         f.write(script)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "horovod.runner.launch", "-np", "2",
-                          sys.executable, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "horovod.runner.launch", "-np", "2", sys.executable, path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     pids = []
     while len(pids) < 2:
         line = p.stdout.readline()
@@ -232,9 +287,13 @@ def test_strangers_on_the_ports_do_not_disturb_a_running_job(tmp_path):
     path = os.path.join(d, "job.py")
     with open(path, "w") as f:
         f.write(textwrap.dedent(script))
-    p = subprocess.Popen([sys.executable, "-m", "horovod.runner.launch", "-np", "2",
-                          sys.executable, path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "horovod.runner.launch", "-np", "2", sys.executable, path],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     import http.client
     import socket
 
@@ -248,7 +307,7 @@ def test_strangers_on_the_ports_do_not_disturb_a_running_job(tmp_path):
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(payload)
     c = http.client.HTTPConnection("127.0.0.1", ports["rdv"], timeout=5)
-    c.request("PUT", "/init0/tcp.1", body=b"127.0.0.1:1")   # no proof of the secret
+    c.request("PUT", "/init0/tcp.1", body=b"127.0.0.1:1")  # no proof of the secret
     assert c.getresponse().status == 403
     c.close()
     flag.write_text("done")

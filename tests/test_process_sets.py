@@ -39,8 +39,8 @@ def test_static_process_sets():
     res = run_ranks(body, 5)
     assert res[0][:3] == (6, [0, 2, 4], 4)
     assert res[1][:3] == (4, [1, 3], 3)
-    assert res[4][3] == [12.0, 15.0]     # rank 4 is set-rank 2 of 3: last block of 6 rows
-    assert res[3][4] == [11, 31]         # alltoall within {1, 3}: element 1 of each
+    assert res[4][3] == [12.0, 15.0]  # rank 4 is set-rank 2 of 3: last block of 6 rows
+    assert res[3][4] == [11, 31]  # alltoall within {1, 3}: element 1 of each
     assert all(r[5] == 5 for r in res)
 
 
@@ -61,7 +61,10 @@ def test_process_set_argument_errors():
     with pytest.raises(ValueError, match=">= 0"):
         hvd.ProcessSet([-1])
     assert hvd.ProcessSet([2, 0]).size() is None  # not registered
-    assert str(hvd.ProcessSet([2, 0])) == "ProcessSet(process_set_id=None, ranks=[0, 2], mpi_comm=None)"
+    assert (
+        str(hvd.ProcessSet([2, 0]))
+        == "ProcessSet(process_set_id=None, ranks=[0, 2], mpi_comm=None)"
+    )
 
     def body(rank):
         hvd.shutdown()
@@ -100,7 +103,7 @@ def test_dynamic_process_sets():
         with pytest.raises(ValueError, match="not registered"):
             hvd.allreduce(np.ones(1), process_set=a)
         c = hvd.add_process_set([0, 2])
-        assert c.process_set_id == 1   # freed ids are reused
+        assert c.process_set_id == 1  # freed ids are reused
         if c.included():
             out.append(int(hvd.allreduce(np.array([rank]), op=hvd.Sum, process_set=c)[0]))
         return out
@@ -111,14 +114,19 @@ def test_dynamic_process_sets():
 
 def test_sets_run_concurrently_without_deadlock():
     """Overlapping sets with async ops issued in opposite orders on different ranks."""
+
     def body(rank):
         a = hvd.add_process_set([0, 1, 2])
         b = hvd.add_process_set([1, 2, 3])
         mine = [ps for ps in (a, b) if ps.included()]
         if rank == 2:
             mine = mine[::-1]
-        hs = [hvd.allreduce_async(np.ones(50_000) * rank, op=hvd.Sum, process_set=ps,
-                                  name=f"x{ps.process_set_id}") for ps in mine]
+        hs = [
+            hvd.allreduce_async(
+                np.ones(50_000) * rank, op=hvd.Sum, process_set=ps, name=f"x{ps.process_set_id}"
+            )
+            for ps in mine
+        ]
         return [float(hvd.synchronize(h)[0]) for h in hs]
 
     res = run_ranks(body, 4, env={"HOROVOD_DYNAMIC_PROCESS_SETS": "1"})

@@ -10,8 +10,11 @@ import horovod.numpy as hvd
 from horovod.testing import run_ranks
 
 DTYPES = st.sampled_from([np.int32, np.int64, np.float32, np.float64, np.uint8])
-SETTINGS = settings(max_examples=30, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SETTINGS = settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 def per_rank_arrays(draw, size, dtype, shape):
@@ -20,9 +23,13 @@ def per_rank_arrays(draw, size, dtype, shape):
 
 
 @SETTINGS
-@given(st.data(), st.integers(1, 5), DTYPES,
-       hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
-       st.sampled_from(["sum", "min", "max"]))
+@given(
+    st.data(),
+    st.integers(1, 5),
+    DTYPES,
+    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=6),
+    st.sampled_from(["sum", "min", "max"]),
+)
 def test_allreduce_matches_numpy(data, size, dtype, shape, opname):
     xs = per_rank_arrays(data.draw, size, dtype, shape)
     op = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max}[opname]
@@ -32,9 +39,13 @@ def test_allreduce_matches_numpy(data, size, dtype, shape, opname):
 
 
 @SETTINGS
-@given(st.data(), st.integers(1, 5), DTYPES, st.lists(st.integers(0, 5), min_size=5,
-                                                      max_size=5),
-       st.integers(0, 3))
+@given(
+    st.data(),
+    st.integers(1, 5),
+    DTYPES,
+    st.lists(st.integers(0, 5), min_size=5, max_size=5),
+    st.integers(0, 3),
+)
 def test_allgather_matches_concatenate(data, size, dtype, rows, width):
     xs = [data.draw(hnp.arrays(dtype, (rows[r], width))) for r in range(size)]
     ref = np.concatenate(xs)
@@ -64,7 +75,7 @@ def test_alltoall_matches_reference(data, size):
         parts = []
         for s in range(size):
             start = sum(splits[s][:r])
-            parts.append(xs[s][start:start + splits[s][r]])
+            parts.append(xs[s][start : start + splits[s][r]])
         np.testing.assert_array_equal(out, np.concatenate(parts))
         assert recv.tolist() == [splits[s][r] for s in range(size)]
 
@@ -77,4 +88,4 @@ def test_reducescatter_matches_reference(data, size, rows, width):
     counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
     starts = np.cumsum([0] + counts)
     for r, got in enumerate(run_ranks(lambda r: hvd.reducescatter(xs[r], op=hvd.Sum), size)):
-        np.testing.assert_array_equal(got, total[starts[r]:starts[r + 1]])
+        np.testing.assert_array_equal(got, total[starts[r] : starts[r + 1]])

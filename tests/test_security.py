@@ -48,9 +48,16 @@ def test_store_refuses_wrong_secret(server):
     assert server.rejected == 2
 
 
-@pytest.mark.parametrize("junk", [b"\x00\xff" * 100, b"GET / HTTP/1.1\r\n\r\n",
-                                  b"PUT /a/b HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n",
-                                  b"PUT /a/b HTTP/1.1\r\nContent-Length: 4\r\n\r\nabcd", b""])
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"\x00\xff" * 100,
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"PUT /a/b HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n",
+        b"PUT /a/b HTTP/1.1\r\nContent-Length: 4\r\n\r\nabcd",
+        b"",
+    ],
+)
 def test_store_survives_garbage(server, junk):
     good = HTTPStoreClient("127.0.0.1", server.port, SECRET)
     good.set("s", "k", b"v")
@@ -72,13 +79,16 @@ def _pair(server, secret_b=SECRET):
 
     def make(rank, secret):
         try:
-            out[rank] = TcpTransport(rank, 2, store=store, scope="t", secret=secret,
-                                     advertise="127.0.0.1", timeout=3)
+            out[rank] = TcpTransport(
+                rank, 2, store=store, scope="t", secret=secret, advertise="127.0.0.1", timeout=3
+            )
         except Exception as e:  # noqa: BLE001
             errs[rank] = e
 
-    ts = [threading.Thread(target=make, args=(0, SECRET)),
-          threading.Thread(target=make, args=(1, secret_b))]
+    ts = [
+        threading.Thread(target=make, args=(0, SECRET)),
+        threading.Thread(target=make, args=(1, secret_b)),
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -93,9 +103,10 @@ def test_tcp_exchange_zero_copy_both_directions(server):
     try:
         big = np.arange(3_000_000, dtype=np.float64)  # larger than socket buffers
         r0, r1 = np.empty_like(big), np.empty_like(big)
-        th = threading.Thread(target=t1.exchange,
-                              args=([(0, memoryview(big[::-1].copy()).cast("B"))],
-                                    [(0, memoryview(r1).cast("B"))]))
+        th = threading.Thread(
+            target=t1.exchange,
+            args=([(0, memoryview(big[::-1].copy()).cast("B"))], [(0, memoryview(r1).cast("B"))]),
+        )
         th.start()
         t0.exchange([(1, memoryview(big).cast("B"))], [(1, memoryview(r0).cast("B"))])
         th.join()
@@ -127,8 +138,9 @@ def test_tcp_rejects_garbage_during_and_after_setup(server):
     holder = {}
 
     def make0():
-        holder[0] = TcpTransport(0, 2, store=store, scope="g", secret=SECRET,
-                                 advertise="127.0.0.1", timeout=5)
+        holder[0] = TcpTransport(
+            0, 2, store=store, scope="g", secret=SECRET, advertise="127.0.0.1", timeout=5
+        )
 
     th = threading.Thread(target=make0)
     th.start()
@@ -148,11 +160,16 @@ def test_tcp_rejects_garbage_during_and_after_setup(server):
     assert attack(b"\x00" * 200) == b""
     # a well-formed hello followed by a forged proof: the server's challenge comes back, the
     # forged answer is refused, the connection closed, and no "OK" is ever sent
-    reply = attack(b"PYHVD\x01\x00\x00" + b"D" + b"\x01\x00\x00\x00" + b"\x02\x00\x00\x00"
-                   + b"n" * 16 + b"forged-proof-of-32-bytes-length!")
+    reply = attack(
+        b"PYHVD\x01\x00\x00"
+        + b"D"
+        + b"\x01\x00\x00\x00"
+        + b"\x02\x00\x00\x00"
+        + b"n" * 16
+        + b"forged-proof-of-32-bytes-length!"
+    )
     assert b"OK" not in reply[48:]
-    t1 = TcpTransport(1, 2, store=store, scope="g", secret=SECRET, advertise="127.0.0.1",
-                      timeout=5)
+    t1 = TcpTransport(1, 2, store=store, scope="g", secret=SECRET, advertise="127.0.0.1", timeout=5)
     th.join()
     t0 = holder[0]
     try:

@@ -65,9 +65,11 @@ def worker_ours(sizes: list[int], budget: float) -> dict:
         count = max(1, nbytes // 4)
         x = np.ones(count, np.float32)
         part = np.ones(max(1, count // n), np.float32)
-        runs = {"allreduce": lambda: hvd.allreduce_(x, op=hvd.Sum, name="b.ar"),
-                "allgather": lambda: hvd.allgather(part, name="b.ag"),
-                "broadcast": lambda: hvd.broadcast_(x, 0, name="b.bc")}
+        runs = {
+            "allreduce": lambda: hvd.allreduce_(x, op=hvd.Sum, name="b.ar"),
+            "allgather": lambda: hvd.allgather(part, name="b.ag"),
+            "broadcast": lambda: hvd.broadcast_(x, 0, name="b.bc"),
+        }
         for op in OPS:
             out[f"{op}:{nbytes}"] = _measure(runs[op], nbytes, budget, hvd.barrier)
     hvd.shutdown()
@@ -87,9 +89,11 @@ def worker_gloo(sizes: list[int], budget: float) -> dict:
         x = torch.ones(count)
         part = torch.ones(max(1, count // n))
         gathered = [torch.empty_like(part) for _ in range(n)]
-        runs = {"allreduce": lambda: dist.all_reduce(x),
-                "allgather": lambda: dist.all_gather(gathered, part),
-                "broadcast": lambda: dist.broadcast(x, 0)}
+        runs = {
+            "allreduce": lambda: dist.all_reduce(x),
+            "allgather": lambda: dist.all_gather(gathered, part),
+            "broadcast": lambda: dist.broadcast(x, 0),
+        }
         for op in OPS:
             out[f"{op}:{nbytes}"] = _measure(runs[op], nbytes, budget, dist.barrier)
     dist.destroy_process_group()
@@ -109,9 +113,11 @@ def worker_mpi(sizes: list[int], budget: float) -> dict:
         y = np.empty_like(x)
         part = np.ones(max(1, count // n), np.float32)
         gathered = np.empty(part.size * n, np.float32)
-        runs = {"allreduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
-                "allgather": lambda: comm.Allgather(part, gathered),
-                "broadcast": lambda: comm.Bcast(x, root=0)}
+        runs = {
+            "allreduce": lambda: comm.Allreduce(x, y, op=MPI.SUM),
+            "allgather": lambda: comm.Allgather(part, gathered),
+            "broadcast": lambda: comm.Bcast(x, root=0),
+        }
         for op in OPS:
             out[f"{op}:{nbytes}"] = _measure(runs[op], nbytes, budget, comm.Barrier)
     return out if me == 0 else {}
@@ -143,20 +149,44 @@ def available(peer: str) -> str | None:
 
 def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
     out_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    me = [sys.executable, "-m", "horovod.benchmarks.collectives", "--worker", peer,
-          "--sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out", out_file]
+    me = [
+        sys.executable,
+        "-m",
+        "horovod.benchmarks.collectives",
+        "--worker",
+        peer,
+        "--sizes",
+        ",".join(map(str, sizes)),
+        "--budget",
+        str(budget),
+        "--out",
+        out_file,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if peer == "ours":
         cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_)] + me
     elif peer == "gloo":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={np_}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}"] + me[1:]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={np_}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+        ] + me[1:]
         env["GLOO_SOCKET_IFNAME"] = "lo"
     else:
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
-               "--mca", "btl", "self,vader,tcp"] + me
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.PIPE)
+        cmd = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(np_),
+            "--mca",
+            "btl",
+            "self,vader,tcp",
+        ] + me
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     with open(out_file) as f:
         data = json.load(f)
     os.unlink(out_file)
@@ -181,16 +211,18 @@ def table(results: dict[str, dict], sizes: list[int], n: int) -> str:
     for op in OPS:
         head = ["size"] + [f"{p} latency" for p in peers] + [f"{p} busbw" for p in peers]
         head += [f"ours/{p}" for p in peers if p != "ours"]
-        lines.append(f"\n{op} ({n} ranks, float32 sum; ratio = peer time / our time, "
-                     ">1 means we are faster)")
+        lines.append(
+            f"\n{op} ({n} ranks, float32 sum; ratio = peer time / our time, >1 means we are faster)"
+        )
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
         for nbytes in sizes:
             key = f"{op}:{nbytes}"
             t = {p: results[p][key] for p in peers}
             row = [human(nbytes)]
-            row += [f"{t[p] * 1e6:.0f} us" if t[p] < 1e-2 else f"{t[p] * 1e3:.1f} ms"
-                    for p in peers]
+            row += [
+                f"{t[p] * 1e6:.0f} us" if t[p] < 1e-2 else f"{t[p] * 1e3:.1f} ms" for p in peers
+            ]
             row += [f"{busbw(op, nbytes, t[p], n):.3f} GB/s" for p in peers]
             if "ours" in t:
                 row += [f"{t[p] / t['ours']:.2f}x" for p in peers if p != "ours"]
@@ -204,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peers", default="ours,gloo,mpi")
     ap.add_argument("--max-bytes", default="64M")
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
-    ap.add_argument("--budget", type=float, default=0.6,
-                    help="seconds of measurement per (op, size)")
+    ap.add_argument(
+        "--budget", type=float, default=0.6, help="seconds of measurement per (op, size)"
+    )
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

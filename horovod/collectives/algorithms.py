@@ -83,8 +83,9 @@ def _allreduce_direct(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None
         np.copyto(buf, acc)
 
 
-def _reduce_scatter_ring(t, buf: np.ndarray, counts: Sequence[int], op: Reducer,
-                         scratch: Scratch) -> None:
+def _reduce_scatter_ring(
+    t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch
+) -> None:
     """After this, segment ``r`` of ``buf`` on rank ``r`` holds the reduction of segment r."""
     n, me = t.size, t.rank
     offs = _offsets(counts)
@@ -93,9 +94,9 @@ def _reduce_scatter_ring(t, buf: np.ndarray, counts: Sequence[int], op: Reducer,
     for s in range(n - 1):
         si = (me - s - 1) % n
         ri = (me - s - 2) % n
-        seg_out = buf[offs[si]:offs[si] + counts[si]]
-        seg_in = buf[offs[ri]:offs[ri] + counts[ri]]
-        got = tmp[:counts[ri]]
+        seg_out = buf[offs[si] : offs[si] + counts[si]]
+        seg_in = buf[offs[ri] : offs[ri] + counts[ri]]
+        got = tmp[: counts[ri]]
         t.exchange([(right, as_bytes(seg_out))], [(left, as_bytes(got))])
         op(seg_in, got, out=seg_in)
 
@@ -108,25 +109,29 @@ def _allgather_ring(t, buf: np.ndarray, counts: Sequence[int]) -> None:
     for s in range(n - 1):
         si = (me - s) % n
         ri = (me - s - 1) % n
-        t.exchange([(right, as_bytes(buf[offs[si]:offs[si] + counts[si]]))],
-                   [(left, as_bytes(buf[offs[ri]:offs[ri] + counts[ri]]))])
+        t.exchange(
+            [(right, as_bytes(buf[offs[si] : offs[si] + counts[si]]))],
+            [(left, as_bytes(buf[offs[ri] : offs[ri] + counts[ri]]))],
+        )
 
 
-def reduce_scatter(t, buf: np.ndarray, counts: Sequence[int], op: Reducer,
-                   scratch: Scratch) -> np.ndarray:
+def reduce_scatter(
+    t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch
+) -> np.ndarray:
     """Reduce ``buf`` (flat, segments of ``counts`` elements in rank order) and return this
     rank's reduced segment (a view into ``buf``)."""
     n, me = t.size, t.rank
     offs = _offsets(counts)
-    mine = buf[offs[me]:offs[me] + counts[me]]
+    mine = buf[offs[me] : offs[me] + counts[me]]
     if n == 1:
         return mine
     if buf.nbytes <= SMALL_BYTES * n:
         peers = [p for p in range(n) if p != me]
-        got = scratch.get(counts[me] * buf.itemsize * (n - 1), buf.dtype).reshape(n - 1,
-                                                                                  counts[me])
-        t.exchange([(p, as_bytes(buf[offs[p]:offs[p] + counts[p]])) for p in peers],
-                   [(p, as_bytes(got[i])) for i, p in enumerate(peers)])
+        got = scratch.get(counts[me] * buf.itemsize * (n - 1), buf.dtype).reshape(n - 1, counts[me])
+        t.exchange(
+            [(p, as_bytes(buf[offs[p] : offs[p] + counts[p]])) for p in peers],
+            [(p, as_bytes(got[i])) for i, p in enumerate(peers)],
+        )
         parts = [got[i] for i in range(me)] + [mine] + [got[i] for i in range(me, n - 1)]
         acc = parts[0]
         for part in parts[1:]:
@@ -145,16 +150,19 @@ def allgatherv(t, out: np.ndarray, nbytes: Sequence[int]) -> None:
     if n == 1:
         return
     offs = _offsets(nbytes)
-    blocks = [out[offs[r]:offs[r] + nbytes[r]] for r in range(n)]
+    blocks = [out[offs[r] : offs[r] + nbytes[r]] for r in range(n)]
     if sum(nbytes) <= SMALL_BYTES * 2 or n == 2:
         peers = [p for p in range(n) if p != me]
-        t.exchange([(p, as_bytes(blocks[me])) for p in peers],
-                   [(p, as_bytes(blocks[p])) for p in peers])
+        t.exchange(
+            [(p, as_bytes(blocks[me])) for p in peers], [(p, as_bytes(blocks[p])) for p in peers]
+        )
     else:
         right, left = (me + 1) % n, (me - 1) % n
         for s in range(n - 1):
-            t.exchange([(right, as_bytes(blocks[(me - s) % n]))],
-                       [(left, as_bytes(blocks[(me - s - 1) % n]))])
+            t.exchange(
+                [(right, as_bytes(blocks[(me - s) % n]))],
+                [(left, as_bytes(blocks[(me - s - 1) % n]))],
+            )
 
 
 def broadcast(t, buf: np.ndarray, root: int) -> None:
@@ -204,6 +212,9 @@ def exchange_counts(t, counts: Sequence[int]) -> list[int]:
     n = t.size
     send = np.asarray(counts, dtype=np.int64)
     recv = np.empty(n, np.int64)
-    alltoallv(t, [as_bytes(send[i:i + 1]) for i in range(n)],
-              [as_bytes(recv[i:i + 1]) for i in range(n)])
+    alltoallv(
+        t,
+        [as_bytes(send[i : i + 1]) for i in range(n)],
+        [as_bytes(recv[i : i + 1]) for i in range(n)],
+    )
     return recv.tolist()

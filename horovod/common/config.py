@@ -21,8 +21,15 @@ from horovod.common.exceptions import ConfigError
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 
-def _knob(env: str, default: Any, help: str, *, minimum: float | None = None,
-          choices: tuple[str, ...] | None = None, inert: bool = False) -> Any:
+def _knob(
+    env: str,
+    default: Any,
+    help: str,
+    *,
+    minimum: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    inert: bool = False,
+) -> Any:
     meta = {"env": env, "help": help, "minimum": minimum, "choices": choices, "inert": inert}
     return field(default=default, metadata=meta)
 
@@ -44,103 +51,154 @@ def parse_bool(text: str) -> bool:
 class Config:
     # --- engine ---------------------------------------------------------------------------
     fusion_threshold: int = _knob(
-        "HOROVOD_FUSION_THRESHOLD", 128 * 1024 * 1024,
-        "Tensor Fusion buffer size in bytes; 0 disables fusion.", minimum=0)
+        "HOROVOD_FUSION_THRESHOLD",
+        128 * 1024 * 1024,
+        "Tensor Fusion buffer size in bytes; 0 disables fusion.",
+        minimum=0,
+    )
     cycle_time_ms: float = _knob(
-        "HOROVOD_CYCLE_TIME", 1.0,
+        "HOROVOD_CYCLE_TIME",
+        1.0,
         "Minimum time in ms between two negotiation rounds while work keeps arriving; "
-        "an idle engine starts a round at once when a tensor is submitted.", minimum=0)
+        "an idle engine starts a round at once when a tensor is submitted.",
+        minimum=0,
+    )
     cache_capacity: int = _knob(
-        "HOROVOD_CACHE_CAPACITY", 1024,
-        "Response cache entries per process set; 0 disables the cache.", minimum=0)
+        "HOROVOD_CACHE_CAPACITY",
+        1024,
+        "Response cache entries per process set; 0 disables the cache.",
+        minimum=0,
+    )
     disable_group_fusion: bool = _knob(
-        "HOROVOD_DISABLE_GROUP_FUSION", False,
-        "Fuse the tensors of a grouped op only with each other.")
+        "HOROVOD_DISABLE_GROUP_FUSION",
+        False,
+        "Fuse the tensors of a grouped op only with each other.",
+    )
     dynamic_process_sets: bool = _knob(
-        "HOROVOD_DYNAMIC_PROCESS_SETS", False,
-        "Allow hvd.add_process_set()/remove_process_set() after init.")
+        "HOROVOD_DYNAMIC_PROCESS_SETS",
+        False,
+        "Allow hvd.add_process_set()/remove_process_set() after init.",
+    )
     hierarchical_allreduce: bool = _knob(
-        "HOROVOD_HIERARCHICAL_ALLREDUCE", False,
-        "Reduce within each host first, then across hosts (multi-host jobs only).")
+        "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        False,
+        "Reduce within each host first, then across hosts (multi-host jobs only).",
+    )
     hierarchical_allgather: bool = _knob(
-        "HOROVOD_HIERARCHICAL_ALLGATHER", False,
-        "Gather within each host first, then across hosts (multi-host jobs only).")
+        "HOROVOD_HIERARCHICAL_ALLGATHER",
+        False,
+        "Gather within each host first, then across hosts (multi-host jobs only).",
+    )
     torus_allreduce: bool = _knob(
-        "HOROVOD_TORUS_ALLREDUCE", False, "Accepted for compatibility; no effect.", inert=True)
+        "HOROVOD_TORUS_ALLREDUCE", False, "Accepted for compatibility; no effect.", inert=True
+    )
     # --- diagnostics ----------------------------------------------------------------------
     timeline: str = _knob(
-        "HOROVOD_TIMELINE", "",
-        "Path of a Chrome-trace timeline written by rank 0, or DYNAMIC.")
+        "HOROVOD_TIMELINE", "", "Path of a Chrome-trace timeline written by rank 0, or DYNAMIC."
+    )
     timeline_mark_cycles: bool = _knob(
-        "HOROVOD_TIMELINE_MARK_CYCLES", False, "Mark engine cycles in the timeline.")
+        "HOROVOD_TIMELINE_MARK_CYCLES", False, "Mark engine cycles in the timeline."
+    )
     stall_check_disable: bool = _knob(
-        "HOROVOD_STALL_CHECK_DISABLE", False, "Disable the stall inspector.")
+        "HOROVOD_STALL_CHECK_DISABLE", False, "Disable the stall inspector."
+    )
     stall_check_time_seconds: float = _knob(
-        "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0,
-        "Warn when a tensor has waited this long for some ranks.", minimum=0)
+        "HOROVOD_STALL_CHECK_TIME_SECONDS",
+        60.0,
+        "Warn when a tensor has waited this long for some ranks.",
+        minimum=0,
+    )
     stall_shutdown_time_seconds: float = _knob(
-        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0,
-        "Abort the job when a tensor has waited this long (0: never).", minimum=0)
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+        0.0,
+        "Abort the job when a tensor has waited this long (0: never).",
+        minimum=0,
+    )
     log_level: str = _knob(
-        "HOROVOD_LOG_LEVEL", "WARNING", "Log level of the runtime.", choices=LOG_LEVELS)
+        "HOROVOD_LOG_LEVEL", "WARNING", "Log level of the runtime.", choices=LOG_LEVELS
+    )
     log_hide_time: bool = _knob(
-        "HOROVOD_LOG_HIDE_TIME", False, "Leave timestamps out of log lines.")
+        "HOROVOD_LOG_HIDE_TIME", False, "Leave timestamps out of log lines."
+    )
     # --- autotune -------------------------------------------------------------------------
     autotune: bool = _knob("HOROVOD_AUTOTUNE", False, "Enable autotuning.")
     autotune_log: str = _knob("HOROVOD_AUTOTUNE_LOG", "", "CSV log of autotune trials.")
     autotune_warmup_samples: int = _knob(
-        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, "Autotune samples discarded.", minimum=0)
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, "Autotune samples discarded.", minimum=0
+    )
     autotune_steps_per_sample: int = _knob(
-        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, "Steps per autotune sample.", minimum=1)
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, "Steps per autotune sample.", minimum=1
+    )
     autotune_bayes_opt_max_samples: int = _knob(
-        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, "Bayesian optimisation samples.", minimum=1)
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, "Bayesian optimisation samples.", minimum=1
+    )
     autotune_gaussian_process_noise: float = _knob(
-        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8, "Gaussian process noise.", minimum=0)
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8, "Gaussian process noise.", minimum=0
+    )
     # --- identity (the launcher contract) ---------------------------------------------------
     rank: int = _knob("HOROVOD_RANK", 0, "Global rank of this process.", minimum=0)
     size: int = _knob("HOROVOD_SIZE", 1, "Number of processes in the job.", minimum=1)
     local_rank: int = _knob("HOROVOD_LOCAL_RANK", 0, "Rank within this host.", minimum=0)
     local_size: int = _knob("HOROVOD_LOCAL_SIZE", 1, "Processes on this host.", minimum=1)
     cross_rank: int = _knob(
-        "HOROVOD_CROSS_RANK", 0, "Index of this host among hosts with this local rank.", minimum=0)
+        "HOROVOD_CROSS_RANK", 0, "Index of this host among hosts with this local rank.", minimum=0
+    )
     cross_size: int = _knob(
-        "HOROVOD_CROSS_SIZE", 1, "Number of hosts with a process of this local rank.", minimum=1)
+        "HOROVOD_CROSS_SIZE", 1, "Number of hosts with a process of this local rank.", minimum=1
+    )
     hostname: str = _knob("HOROVOD_HOSTNAME", "", "Host name of this process (default: its own).")
     elastic: bool = _knob("HOROVOD_ELASTIC", False, "Elastic mode (set by the launcher).")
     # --- transport and rendezvous -----------------------------------------------------------
     controller: str = _knob(
-        "HOROVOD_CONTROLLER", "gloo", "Controller: gloo (pyhorovod's TCP engine) or mpi.",
-        choices=("gloo", "mpi"))
+        "HOROVOD_CONTROLLER",
+        "gloo",
+        "Controller: gloo (pyhorovod's TCP engine) or mpi.",
+        choices=("gloo", "mpi"),
+    )
     cpu_operations: str = _knob(
-        "HOROVOD_CPU_OPERATIONS", "gloo", "CPU data plane: gloo (pyhorovod's TCP) or mpi.",
-        choices=("gloo", "mpi", "ccl"))
+        "HOROVOD_CPU_OPERATIONS",
+        "gloo",
+        "CPU data plane: gloo (pyhorovod's TCP) or mpi.",
+        choices=("gloo", "mpi", "ccl"),
+    )
     rendezvous_addr: str = _knob(
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR", "",
-        "Address of the rendezvous store (set by horovodrun).")
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR", "", "Address of the rendezvous store (set by horovodrun)."
+    )
     rendezvous_port: int = _knob(
-        "HOROVOD_GLOO_RENDEZVOUS_PORT", -1, "Port of the rendezvous store (set by horovodrun).")
-    iface: str = _knob(
-        "HOROVOD_GLOO_IFACE", "", "Network interface the data plane listens on.")
+        "HOROVOD_GLOO_RENDEZVOUS_PORT", -1, "Port of the rendezvous store (set by horovodrun)."
+    )
+    iface: str = _knob("HOROVOD_GLOO_IFACE", "", "Network interface the data plane listens on.")
     timeout_seconds: float = _knob(
-        "HOROVOD_GLOO_TIMEOUT_SECONDS", 30.0,
-        "How long rendezvous and connection set-up may take.", minimum=0)
+        "HOROVOD_GLOO_TIMEOUT_SECONDS",
+        30.0,
+        "How long rendezvous and connection set-up may take.",
+        minimum=0,
+    )
     secret_key: str = _knob(
-        "HOROVOD_SECRET_KEY", "",
+        "HOROVOD_SECRET_KEY",
+        "",
         "The job's secret (hex); every rendezvous request and connection proves it. "
-        "horovodrun creates it; never put it on a command line.")
+        "horovodrun creates it; never put it on a command line.",
+    )
     start_timeout: float = _knob(
-        "HOROVOD_START_TIMEOUT", 30.0, "Seconds horovodrun waits for workers to start.",
-        minimum=0)
+        "HOROVOD_START_TIMEOUT", 30.0, "Seconds horovodrun waits for workers to start.", minimum=0
+    )
     # --- accepted for compatibility, no effect in a CPU/TCP build ---------------------------
     thread_affinity: str = _knob(
-        "HOROVOD_THREAD_AFFINITY", "", "Accepted for compatibility; no effect.", inert=True)
+        "HOROVOD_THREAD_AFFINITY", "", "Accepted for compatibility; no effect.", inert=True
+    )
     num_nccl_streams: int = _knob(
-        "HOROVOD_NUM_NCCL_STREAMS", 1, "Accepted for compatibility; no effect.", inert=True)
+        "HOROVOD_NUM_NCCL_STREAMS", 1, "Accepted for compatibility; no effect.", inert=True
+    )
     mpi_threads_disable: bool = _knob(
-        "HOROVOD_MPI_THREADS_DISABLE", False, "Accepted for compatibility; no effect.", inert=True)
+        "HOROVOD_MPI_THREADS_DISABLE", False, "Accepted for compatibility; no effect.", inert=True
+    )
     enable_async_completion: bool = _knob(
-        "HOROVOD_ENABLE_ASYNC_COMPLETION", False, "Accepted for compatibility; no effect.",
-        inert=True)
+        "HOROVOD_ENABLE_ASYNC_COMPLETION",
+        False,
+        "Accepted for compatibility; no effect.",
+        inert=True,
+    )
 
     # ------------------------------------------------------------------------------------
     @classmethod
@@ -218,8 +276,13 @@ def knob_table() -> list[tuple[str, str, str]]:
     rows = []
     for f in dataclasses.fields(Config):
         default = f.default
-        shown = "(unset)" if default == "" else str(default).lower() if isinstance(
-            default, bool) else str(default)
+        shown = (
+            "(unset)"
+            if default == ""
+            else str(default).lower()
+            if isinstance(default, bool)
+            else str(default)
+        )
         rows.append((f.metadata["env"], shown, f.metadata["help"]))
     return rows
 

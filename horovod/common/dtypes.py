@@ -40,4 +40,5 @@ def code_of(dtype: np.dtype, what: str) -> int:
         return CODE_OF[np.dtype(dtype)]
     except (KeyError, TypeError):
         raise ValueError(
-            f"{what}: dtype {dtype} is not supported; use one of {SUPPORTED_NAMES}") from None
+            f"{what}: dtype {dtype} is not supported; use one of {SUPPORTED_NAMES}"
+        ) from None

@@ -23,10 +23,11 @@ class ProcessSet:
             ranks = list(ranks_or_comm)
         except TypeError:
             ranks = None
-        if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool)
-                                    for r in ranks):
-            raise ValueError("ProcessSet should be initialized with a list of process ranks "
-                             "(ints); mpi4py communicators need the MPI controller")
+        if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+            raise ValueError(
+                "ProcessSet should be initialized with a list of process ranks "
+                "(ints); mpi4py communicators need the MPI controller"
+            )
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"ProcessSet ranks must be distinct, got {ranks}")
         if any(r < 0 for r in ranks):
@@ -39,8 +40,11 @@ class ProcessSet:
 
     def _registered(self) -> bool:
         ctx = _current()
-        return (self.process_set_id is not None and ctx is not None
-                and ctx.public_sets.get(self.process_set_id) is self)
+        return (
+            self.process_set_id is not None
+            and ctx is not None
+            and ctx.public_sets.get(self.process_set_id) is self
+        )
 
     def size(self) -> int | None:
         return len(self.ranks) if self._registered() else None
@@ -60,8 +64,10 @@ class ProcessSet:
         return ctx.rank in self.ranks
 
     def __str__(self) -> str:
-        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
-                f"mpi_comm={self.mpi_comm})")
+        return (
+            f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+            f"mpi_comm={self.mpi_comm})"
+        )
 
     __repr__ = __str__
 

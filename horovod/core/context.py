@@ -42,10 +42,12 @@ class RankSpec:
     rounds: itertools.count = field(default_factory=itertools.count)
 
 
-_spec: contextvars.ContextVar[RankSpec | None] = contextvars.ContextVar("horovod_rank_spec",
-                                                                        default=None)
-_thread_ctx: contextvars.ContextVar[Context | None] = contextvars.ContextVar("horovod_context",
-                                                                           default=None)
+_spec: contextvars.ContextVar[RankSpec | None] = contextvars.ContextVar(
+    "horovod_rank_spec", default=None
+)
+_thread_ctx: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
+    "horovod_context", default=None
+)
 _process_ctx: Context | None = None
 _process_rounds = itertools.count()
 _lock = threading.Lock()
@@ -68,9 +70,11 @@ def require() -> Context:
 def init(process_sets: Any = None, comm: Any = None) -> Context:
     global _process_ctx, _atexit_registered
     if comm is not None:
-        raise ValueError("hvd.init(comm=...) needs the MPI controller, which this build does not "
-                         "include; start the job with horovodrun and use process_sets= for "
-                         "subsets of ranks")
+        raise ValueError(
+            "hvd.init(comm=...) needs the MPI controller, which this build does not "
+            "include; start the job with horovodrun and use process_sets= for "
+            "subsets of ranks"
+        )
     spec = _spec.get()
     ctx = current()
     if ctx is not None and not ctx.stopped:
@@ -91,15 +95,24 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"process_sets entry number {i} is not a ProcessSet: {ps!r}")
             if any(ps is other or ps.ranks == other.ranks for other in static[:i]):
-                raise ValueError(f"Horovod could not be initialized because process_sets entry "
-                                 f"number {i} is a duplicate: {ps}")
+                raise ValueError(
+                    f"Horovod could not be initialized because process_sets entry "
+                    f"number {i} is a duplicate: {ps}"
+                )
     if spec is not None:
         n = spec.world.size
         hosts = spec.hosts or ["localhost"] * n
         local = _local_layout(hosts)[spec.rank]
-        cfg = Config.from_env(env, rank=spec.rank, size=n, hostname=hosts[spec.rank],
-                              local_rank=local[0], local_size=local[1], cross_rank=local[2],
-                              cross_size=local[3])
+        cfg = Config.from_env(
+            env,
+            rank=spec.rank,
+            size=n,
+            hostname=hosts[spec.rank],
+            local_rank=local[0],
+            local_size=local[1],
+            cross_rank=local[2],
+            cross_size=local[3],
+        )
     else:
         cfg = Config.from_env(env)
         log.configure(cfg.log_level, cfg.log_hide_time)
@@ -159,7 +172,7 @@ def _local_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
         seen[h] += 1
     host_order = list(dict.fromkeys(hosts))
     out = []
-    for h, lr in zip(hosts, local_ranks):
+    for h, lr in zip(hosts, local_ranks, strict=False):
         with_lr = [x for x in host_order if counts[x] > lr]
         out.append((lr, counts[h], with_lr.index(h), len(with_lr)))
     return out
@@ -181,8 +194,10 @@ class Context:
         for ps in static_sets:
             bad = [r for r in ps.ranks if r >= cfg.size]
             if bad:
-                raise ValueError(f"process set {ps.ranks} names ranks {bad} but the job has "
-                                 f"{cfg.size} ranks (0..{cfg.size - 1})")
+                raise ValueError(
+                    f"process set {ps.ranks} names ranks {bad} but the job has "
+                    f"{cfg.size} ranks (0..{cfg.size - 1})"
+                )
         store, transport = self._connect(cfg, spec, scope)
         self.store = store
         try:
@@ -191,13 +206,19 @@ class Context:
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
             self.engine = Engine(
-                cfg.rank, cfg.size, transport, fusion_threshold=cfg.fusion_threshold,
-                cycle_time_ms=cfg.cycle_time_ms, cache_capacity=cfg.cache_capacity,
+                cfg.rank,
+                cfg.size,
+                transport,
+                fusion_threshold=cfg.fusion_threshold,
+                cycle_time_ms=cfg.cycle_time_ms,
+                cache_capacity=cfg.cache_capacity,
                 disable_group_fusion=cfg.disable_group_fusion,
-                stall_check_seconds=0.0 if cfg.stall_check_disable else
-                cfg.stall_check_time_seconds,
+                stall_check_seconds=0.0
+                if cfg.stall_check_disable
+                else cfg.stall_check_time_seconds,
                 stall_shutdown_seconds=cfg.stall_shutdown_time_seconds,
-                process_sets=[ps.ranks for ps in static_sets])
+                process_sets=[ps.ranks for ps in static_sets],
+            )
         except BaseException:
             transport.close()
             raise
@@ -207,8 +228,10 @@ class Context:
             self.public_sets[i] = ps
         self.engine.start()
         if cfg.timeline:
-            log.logger.warning("HOROVOD_TIMELINE is set, but this pyhorovod version does not "
-                               "write timelines yet; no file will be written")
+            log.logger.warning(
+                "HOROVOD_TIMELINE is set, but this pyhorovod version does not "
+                "write timelines yet; no file will be written"
+            )
         log.logger.info("Horovod initialized: rank %d of %d", cfg.rank, cfg.size)
 
     @staticmethod
@@ -221,40 +244,53 @@ class Context:
             raise ConfigError(
                 f"HOROVOD_SIZE={cfg.size} but HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT are not set: "
                 "start the job with horovodrun (e.g. `horovodrun -np 2 python train.py`), or run "
-                "a single process without HOROVOD_SIZE")
+                "a single process without HOROVOD_SIZE"
+            )
         if not cfg.secret_key:
             raise ConfigError(
                 "HOROVOD_SECRET_KEY is not set. horovodrun gives every worker the job's secret; "
                 "when starting workers another way, set the same random hex value on every rank "
-                "(e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)")
-        from horovod.transport.tcp import (TcpTransport, interface_address,
-                                           local_address_towards)
+                "(e.g. from `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+            )
+        from horovod.transport.tcp import TcpTransport, interface_address, local_address_towards
 
         secret = bytes.fromhex(cfg.secret_key)
         store = HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, secret)
-        advertise = (interface_address(cfg.iface) if cfg.iface else
-                     local_address_towards(cfg.rendezvous_addr))
-        transport = TcpTransport(cfg.rank, cfg.size, store=store, scope=scope, secret=secret,
-                                 advertise=advertise, timeout=cfg.timeout_seconds)
+        advertise = (
+            interface_address(cfg.iface)
+            if cfg.iface
+            else local_address_towards(cfg.rendezvous_addr)
+        )
+        transport = TcpTransport(
+            cfg.rank,
+            cfg.size,
+            store=store,
+            scope=scope,
+            secret=secret,
+            advertise=advertise,
+            timeout=cfg.timeout_seconds,
+        )
         return store, transport
 
     @staticmethod
-    def _exchange_info(store: Store, scope: str, cfg: Config,
-                       sets: list[list[int]]) -> list[tuple]:
-        mine = (cfg.hostname, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size,
-                sets)
+    def _exchange_info(store: Store, scope: str, cfg: Config, sets: list[list[int]]) -> list[tuple]:
+        mine = (cfg.hostname, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size, sets)
         if cfg.size == 1:
             return [mine]
         store.set(scope, f"info.{cfg.rank}", encode(("I",) + mine))
-        raw = store.wait(scope, [f"info.{r}" for r in range(cfg.size)],
-                          max(cfg.start_timeout, cfg.timeout_seconds))
+        raw = store.wait(
+            scope,
+            [f"info.{r}" for r in range(cfg.size)],
+            max(cfg.start_timeout, cfg.timeout_seconds),
+        )
         infos = [decode(b)[1:] for b in raw]
         for r, info in enumerate(infos):
             if info[5] != sets:
                 raise ValueError(
                     f"Different ranks tried to set up mismatching process sets: rank {cfg.rank} "
                     f"passed {sets} to hvd.init(process_sets=...) but rank {r} passed {info[5]}; "
-                    "every rank must pass the same list in the same order")
+                    "every rank must pass the same list in the same order"
+                )
         return infos
 
     def record_failure(self, exc: BaseException) -> None:

@@ -40,16 +40,34 @@ from horovod.common.exceptions import HorovodInternalError, TransportError, shut
 from horovod.common.log import logger
 from horovod.core import ops
 from horovod.core.cache import ResponseCache
-from horovod.core.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, CACHEABLE,
-                                   ERROR, FUSIBLE, JOIN, OP_NAMES, PROCESS_SET_ADD,
-                                   PROCESS_SET_REMOVE, REDUCE_NAMES, REDUCESCATTER, Request,
-                                   Response, decode, display_name, encode)
+from horovod.core.messages import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    CACHEABLE,
+    ERROR,
+    FUSIBLE,
+    JOIN,
+    OP_NAMES,
+    PROCESS_SET_ADD,
+    PROCESS_SET_REMOVE,
+    REDUCE_NAMES,
+    REDUCESCATTER,
+    Request,
+    Response,
+    decode,
+    display_name,
+    encode,
+)
 from horovod.transport.base import SubTransport, Transport
 
 DUPLICATE_NAME = (
     "{what} is already in flight on this rank under the name '{name}'; a name may be used by only "
     "one pending collective at a time. Wait for the first one (synchronize its handle) or pass a "
-    "different name=.")
+    "different name=."
+)
 
 
 class Handle:
@@ -57,8 +75,9 @@ class Handle:
 
     __slots__ = ("_event", "_left", "results", "error", "callsite", "_lock", "finish")
 
-    def __init__(self, n: int, callsite: str = "",
-                 finish: Callable[[list[Any]], Any] | None = None) -> None:
+    def __init__(
+        self, n: int, callsite: str = "", finish: Callable[[list[Any]], Any] | None = None
+    ) -> None:
         self._event = threading.Event()
         self._left = n
         self._lock = threading.Lock()
@@ -96,9 +115,16 @@ class Entry:
 
     __slots__ = ("request", "array", "output", "splits", "handle", "index", "alloc", "cid")
 
-    def __init__(self, request: Request, array: np.ndarray | None, output: np.ndarray | None,
-                 handle: Handle, index: int = 0, splits: list[int] | None = None,
-                 alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        request: Request,
+        array: np.ndarray | None,
+        output: np.ndarray | None,
+        handle: Handle,
+        index: int = 0,
+        splits: list[int] | None = None,
+        alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+    ) -> None:
         self.request = request
         self.array = array
         self.output = output
@@ -120,23 +146,40 @@ def _np_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 class SetState:
     """A process set as the engine sees it."""
 
-    def __init__(self, ps_id: int, ranks: Sequence[int], transport: Transport,
-                 cache_capacity: int, coordinator: bool) -> None:
+    def __init__(
+        self,
+        ps_id: int,
+        ranks: Sequence[int],
+        transport: Transport,
+        cache_capacity: int,
+        coordinator: bool,
+    ) -> None:
         self.id = ps_id
         self.ranks = list(ranks)
         self.member = transport.rank in self.ranks
         self.view = SubTransport(transport, self.ranks) if self.member else None
         self.set_rank = self.ranks.index(transport.rank) if self.member else -1
-        self.cache = ResponseCache(cache_capacity, keep_evicted=4 * cache_capacity
-                                   if coordinator else 0)
+        self.cache = ResponseCache(
+            cache_capacity, keep_evicted=4 * cache_capacity if coordinator else 0
+        )
 
 
 class Engine:
-    def __init__(self, rank: int, size: int, transport: Transport, *, fusion_threshold: int,
-                 cycle_time_ms: float, cache_capacity: int, disable_group_fusion: bool = False,
-                 stall_check_seconds: float = 60.0, stall_shutdown_seconds: float = 0.0,
-                 process_sets: Sequence[Sequence[int]] = (), clock: Callable[[], float] = time.monotonic,
-                 ) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        transport: Transport,
+        *,
+        fusion_threshold: int,
+        cycle_time_ms: float,
+        cache_capacity: int,
+        disable_group_fusion: bool = False,
+        stall_check_seconds: float = 60.0,
+        stall_shutdown_seconds: float = 0.0,
+        process_sets: Sequence[Sequence[int]] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.rank, self.size, self.transport = rank, size, transport
         self.fusion_threshold = fusion_threshold
         self.cycle_s = cycle_time_ms / 1000.0
@@ -146,20 +189,31 @@ class Engine:
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.table: dict[tuple[int, str], Entry] = {}
         self.lock = threading.Lock()
-        self.closed: str | None = None          # set once: why no more work is accepted
-        self.closing = False                    # a clean shutdown is under way
+        self.closed: str | None = None  # set once: why no more work is accepted
+        self.closing = False  # a clean shutdown is under way
         self.buffers = ops.Buffers()
         self.sets: dict[int, SetState] = {}
-        self.stats = {"cycles": 0, "responses": 0, "fused_responses": 0, "cache_hits_sent": 0,
-                      "requests_sent": 0}
+        self.stats = {
+            "cycles": 0,
+            "responses": 0,
+            "fused_responses": 0,
+            "cache_hits_sent": 0,
+            "requests_sent": 0,
+        }
         self._register(0, range(size))
         for i, ranks in enumerate(process_sets, start=1):
             self._register(i, ranks)
-        self.coordinator = _Coordinator(self, stall_check_seconds, stall_shutdown_seconds,
-                                        first_free=len(process_sets) + 1) if rank == 0 else None
+        self.coordinator = (
+            _Coordinator(
+                self, stall_check_seconds, stall_shutdown_seconds, first_free=len(process_sets) + 1
+            )
+            if rank == 0
+            else None
+        )
         self._shutdown_asked = False
-        self._thread = threading.Thread(target=self._run, name=f"horovod-engine-{rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"horovod-engine-{rank}", daemon=True
+        )
 
     # ------------------------------------------------------------------ public (any thread)
     def start(self) -> None:
@@ -171,12 +225,15 @@ class Engine:
             if self.closed is not None:
                 raise HorovodInternalError(self.closed)
             keys = [e.key for e in entries]
-            for e, k in zip(entries, keys):
+            for e, k in zip(entries, keys, strict=False):
                 if k in self.table or keys.count(k) > 1:
-                    raise ValueError(DUPLICATE_NAME.format(
-                        what=display_name(e.request.op, e.request.name).split(" ")[0],
-                        name=e.request.name))
-            for e, k in zip(entries, keys):
+                    raise ValueError(
+                        DUPLICATE_NAME.format(
+                            what=display_name(e.request.op, e.request.name).split(" ")[0],
+                            name=e.request.name,
+                        )
+                    )
+            for e, k in zip(entries, keys, strict=False):
                 self.table[k] = e
         self.inbox.put(("sub", entries))
 
@@ -207,11 +264,15 @@ class Engine:
             if self.closing or self.closed is not None:
                 return
             if self.rank == 0:
-                reason = (f"rank {peer} exited or lost its connection to the coordinator before "
-                          "calling shutdown(); it crashed, was killed, or its host went away")
+                reason = (
+                    f"rank {peer} exited or lost its connection to the coordinator before "
+                    "calling shutdown(); it crashed, was killed, or its host went away"
+                )
             else:
-                reason = ("rank 0 (the coordinator) exited or lost its connection before calling "
-                          "shutdown(); it crashed, was killed, or its host went away")
+                reason = (
+                    "rank 0 (the coordinator) exited or lost its connection before calling "
+                    "shutdown(); it crashed, was killed, or its host went away"
+                )
             self._abort(reason)
             return
         try:
@@ -219,11 +280,11 @@ class Engine:
         except Exception as e:  # a peer that proved the secret but sent nonsense
             self._abort(f"rank {peer} sent a malformed control message ({e})")
             return
-        if msg[0] == "X":           # abort broadcast by the coordinator
+        if msg[0] == "X":  # abort broadcast by the coordinator
             self._abort(str(msg[1]), broadcast=False)
             return
         if msg[0] == "P" and msg[2] is not None:
-            self.closing = True     # a clean shutdown follows; the connection will drop
+            self.closing = True  # a clean shutdown follows; the connection will drop
         self.inbox.put(("ctl", peer, msg))
 
     def _abort(self, reason: str, broadcast: bool = True) -> None:
@@ -256,8 +317,9 @@ class Engine:
             while True:
                 timeout = self._timeout()
                 try:
-                    batch = [self.inbox.get(timeout=timeout) if timeout != 0 else
-                             self.inbox.get_nowait()]
+                    batch = [
+                        self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
+                    ]
                 except queue.Empty:
                     batch = []
                 while True:
@@ -383,7 +445,7 @@ class Engine:
             return resp
         if ss is None or (not ss.member and self.coordinator is None):
             return None
-        if (ss.cache.enabled and resp.op in CACHEABLE and not resp.error and not resp.joined):
+        if ss.cache.enabled and resp.op in CACHEABLE and not resp.error and not resp.joined:
             for single in resp.split():
                 ss.cache.put(single)
         return resp
@@ -415,7 +477,7 @@ class Engine:
         if op == BROADCAST:
             resp = _with_root(resp, ss.ranks.index(resp.root))
         results = ops.execute(resp, entries, ss.view, self.buffers, self.fusion_threshold)
-        for e, r in zip(entries, results):
+        for e, r in zip(entries, results, strict=False):
             if e is not None:
                 e.handle._complete(e.index, r)
 
@@ -443,8 +505,9 @@ class Engine:
                 e.handle._complete(e.index, result)
 
     def _register(self, ps_id: int, ranks: Sequence[int]) -> None:
-        self.sets[ps_id] = SetState(ps_id, ranks, self.transport, self.cache_capacity,
-                                    coordinator=self.rank == 0)
+        self.sets[ps_id] = SetState(
+            ps_id, ranks, self.transport, self.cache_capacity, coordinator=self.rank == 0
+        )
 
     def _close_table(self, reason: str, only_set: int | None = None) -> None:
         with self.lock:
@@ -489,12 +552,13 @@ class _Pending:
 class _Coordinator:
     """Negotiation on global rank 0 for every process set."""
 
-    def __init__(self, engine: Engine, stall_check: float, stall_shutdown: float,
-                 first_free: int) -> None:
+    def __init__(
+        self, engine: Engine, stall_check: float, stall_shutdown: float, first_free: int
+    ) -> None:
         self.e = engine
         self.tables: dict[int, dict[str, _Pending]] = {}
         self.ready: list[tuple[int, str]] = []
-        self.joined: dict[int, None] = {}      # global ranks joined, in join order
+        self.joined: dict[int, None] = {}  # global ranks joined, in join order
         self.shutdown_why: str | None = None
         self.stall_check = stall_check
         self.stall_shutdown = stall_shutdown if stall_shutdown > stall_check else 0.0
@@ -502,8 +566,8 @@ class _Coordinator:
         self.resend: dict[int, list[tuple[int, int]]] = {}
         self.next_ps_id = first_free
         self.free_ids: list[int] = []
-        self.partial = 0            # names submitted by some ranks but not yet by all
-        self.ready_since = 0.0      # when the current ready list got its first entry
+        self.partial = 0  # names submitted by some ranks but not yet by all
+        self.ready_since = 0.0  # when the current ready list got its first entry
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -621,12 +685,22 @@ class _Coordinator:
         ss = self.e.sets.get(ps_id)
         joined = tuple(r for r in self.joined if ps_id == 0)
         if ss is None:
-            return Response(ERROR, ps_id, [name], error=(
-                f"{name}: process set {ps_id} does not exist (it was removed or never added)")
+            return Response(
+                ERROR,
+                ps_id,
+                [name],
+                error=(
+                    f"{name}: process set {ps_id} does not exist (it was removed or never added)"
+                ),
             ), None
         cids = set(p.cids.values())
-        if (ss.cache.enabled and not joined and len(cids) == 1 and None not in cids
-                and len(p.reqs) == len(ss.ranks)):
+        if (
+            ss.cache.enabled
+            and not joined
+            and len(cids) == 1
+            and None not in cids
+            and len(p.reqs) == len(ss.ranks)
+        ):
             cid = cids.pop()
             assert cid is not None
             cached = ss.cache.live.get(cid)
@@ -653,12 +727,19 @@ class _Coordinator:
                     if acc + skipped > threshold:
                         keep.append(cand)
                         continue
-                    if (r.op == head.op and r.ps_id == head.ps_id and r.dtype == head.dtype
-                            and r.reduce_op == head.reduce_op and r.prescale == head.prescale
-                            and r.postscale == head.postscale and r.joined == head.joined
-                            and r.device == head.device and not r.error
-                            and (not e.disable_group_fusion or r.group == head.group)
-                            and acc + nb <= threshold):
+                    if (
+                        r.op == head.op
+                        and r.ps_id == head.ps_id
+                        and r.dtype == head.dtype
+                        and r.reduce_op == head.reduce_op
+                        and r.prescale == head.prescale
+                        and r.postscale == head.postscale
+                        and r.joined == head.joined
+                        and r.device == head.device
+                        and not r.error
+                        and (not e.disable_group_fusion or r.group == head.group)
+                        and acc + nb <= threshold
+                    ):
                         group.append(cand)
                         acc += nb
                     else:
@@ -690,17 +771,23 @@ class _Coordinator:
                 over = self.stall_shutdown and waited >= self.stall_shutdown
                 fatal = fatal or bool(over)
                 op = next(iter(p.reqs.values())).op
-                lines.append(f"  {display_name(op, name)}: submitted by ranks "
-                             f"{sorted(p.reqs)}, waiting {waited:.0f} s for ranks {missing}"
-                             f"{' (over the shutdown limit)' if over else ''}")
+                lines.append(
+                    f"  {display_name(op, name)}: submitted by ranks "
+                    f"{sorted(p.reqs)}, waiting {waited:.0f} s for ranks {missing}"
+                    f"{' (over the shutdown limit)' if over else ''}"
+                )
         if not lines:
             return
-        text = ("Stall: some ranks submitted collectives that other ranks have not submitted. "
-                "Different ranks may be calling different collectives, or only some ranks (for "
-                "example inside `if hvd.rank() == 0:`) reach this collective:\n" + "\n".join(lines))
+        text = (
+            "Stall: some ranks submitted collectives that other ranks have not submitted. "
+            "Different ranks may be calling different collectives, or only some ranks (for "
+            "example inside `if hvd.rank() == 0:`) reach this collective:\n" + "\n".join(lines)
+        )
         if fatal:
-            self.e._abort(text + f"\nAborting: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
-                          f"{self.stall_shutdown:g} exceeded.")
+            self.e._abort(
+                text + f"\nAborting: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
+                f"{self.stall_shutdown:g} exceeded."
+            )
         else:
             logger.warning(text)
 
@@ -709,8 +796,9 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
     return str(tuple(shape)).replace(",)", ")")
 
 
-def _validate(ss: SetState, name: str, p: _Pending, joined: tuple[int, ...],
-              coord: _Coordinator) -> Response:
+def _validate(
+    ss: SetState, name: str, p: _Pending, joined: tuple[int, ...], coord: _Coordinator
+) -> Response:
     reqs = sorted(p.reqs.items())
     r0, q0 = reqs[0]
     what = display_name(q0.op, name)
@@ -723,52 +811,98 @@ def _validate(ss: SetState, name: str, p: _Pending, joined: tuple[int, ...],
 
     for r, q in reqs[1:]:
         if q.op != q0.op:
-            return err(f"tensor '{name}': rank {r0} called {OP_NAMES.get(q0.op)} but rank {r} "
-                       f"called {OP_NAMES.get(q.op)}; every rank must call the same collective "
-                       "for the same name")
+            return err(
+                f"tensor '{name}': rank {r0} called {OP_NAMES.get(q0.op)} but rank {r} "
+                f"called {OP_NAMES.get(q.op)}; every rank must call the same collective "
+                "for the same name"
+            )
     op = q0.op
     for r, q in reqs[1:]:
         if q.dtype != q0.dtype:
-            return mismatch("dtype", NAME_OF_CODE[q0.dtype], r, NAME_OF_CODE[q.dtype],
-                            "every rank must submit the same dtype")
+            return mismatch(
+                "dtype",
+                NAME_OF_CODE[q0.dtype],
+                r,
+                NAME_OF_CODE[q.dtype],
+                "every rank must submit the same dtype",
+            )
         if op in (ALLREDUCE, BROADCAST, REDUCESCATTER) and q.shape != q0.shape:
-            return mismatch("shape", _fmt_shape(q0.shape), r, _fmt_shape(q.shape),
-                            "every rank must submit the same shape")
+            return mismatch(
+                "shape",
+                _fmt_shape(q0.shape),
+                r,
+                _fmt_shape(q.shape),
+                "every rank must submit the same shape",
+            )
         if op in (ALLGATHER, ALLTOALL):
             if len(q.shape) != len(q0.shape):
-                return mismatch("number of dimensions", len(q0.shape), r, len(q.shape),
-                                "every rank must submit tensors of the same rank")
+                return mismatch(
+                    "number of dimensions",
+                    len(q0.shape),
+                    r,
+                    len(q.shape),
+                    "every rank must submit tensors of the same rank",
+                )
             if q.shape[1:] != q0.shape[1:]:
-                return mismatch("shape", _fmt_shape(q0.shape), r, _fmt_shape(q.shape),
-                                "only the first dimension may differ between ranks")
+                return mismatch(
+                    "shape",
+                    _fmt_shape(q0.shape),
+                    r,
+                    _fmt_shape(q.shape),
+                    "only the first dimension may differ between ranks",
+                )
         if q.reduce_op != q0.reduce_op and op in (ALLREDUCE, REDUCESCATTER):
-            return mismatch("reduce op", REDUCE_NAMES.get(q0.reduce_op), r,
-                            REDUCE_NAMES.get(q.reduce_op), "every rank must pass the same op=")
+            return mismatch(
+                "reduce op",
+                REDUCE_NAMES.get(q0.reduce_op),
+                r,
+                REDUCE_NAMES.get(q.reduce_op),
+                "every rank must pass the same op=",
+            )
         if (q.prescale, q.postscale) != (q0.prescale, q0.postscale):
-            return mismatch("(prescale_factor, postscale_factor)", (q0.prescale, q0.postscale),
-                            r, (q.prescale, q.postscale), "every rank must pass the same factors")
+            return mismatch(
+                "(prescale_factor, postscale_factor)",
+                (q0.prescale, q0.postscale),
+                r,
+                (q.prescale, q.postscale),
+                "every rank must pass the same factors",
+            )
         if op == BROADCAST and q.root != q0.root:
-            return mismatch("root_rank", q0.root, r, q.root,
-                            "every rank must pass the same root_rank")
+            return mismatch(
+                "root_rank", q0.root, r, q.root, "every rank must pass the same root_rank"
+            )
         if q.device != q0.device:
             dev = {-1: "CPU"}
-            return mismatch("device", dev.get(q0.device, f"GPU {q0.device}"), r,
-                            dev.get(q.device, f"GPU {q.device}"),
-                            "every rank must keep this tensor on the same kind of device")
+            return mismatch(
+                "device",
+                dev.get(q0.device, f"GPU {q0.device}"),
+                r,
+                dev.get(q.device, f"GPU {q.device}"),
+                "every rank must keep this tensor on the same kind of device",
+            )
         if q.extra != q0.extra:
-            return mismatch("argument", q0.extra, r, q.extra,
-                            "every rank must pass the same arguments, in the same order")
+            return mismatch(
+                "argument",
+                q0.extra,
+                r,
+                q.extra,
+                "every rank must pass the same arguments, in the same order",
+            )
     if joined and op in (ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER):
-        return err(f"{what}: not possible while ranks {list(joined)} have called join(); only "
-                   "allreduce and barrier run with joined ranks")
+        return err(
+            f"{what}: not possible while ranks {list(joined)} have called join(); only "
+            "allreduce and barrier run with joined ranks"
+        )
     if op in (ALLGATHER, ALLTOALL, REDUCESCATTER) and len(q0.shape) == 0:
         return err(f"{what}: needs a tensor with at least one dimension, got a scalar")
     if op == PROCESS_SET_ADD:
         ranks = tuple(q0.extra)  # type: ignore[arg-type]
         for other in ss_all(coord):
             if tuple(other.ranks) == ranks:
-                return err(f"add_process_set: a process set with ranks {list(ranks)} already "
-                           f"exists (id {other.id})")
+                return err(
+                    f"add_process_set: a process set with ranks {list(ranks)} already "
+                    f"exists (id {other.id})"
+                )
         if coord.free_ids:
             new_id = coord.free_ids.pop(0)
         else:
@@ -781,8 +915,20 @@ def _validate(ss: SetState, name: str, p: _Pending, joined: tuple[int, ...],
             return err(f"remove_process_set: process set {ps_id} does not exist")
         coord.free_ids.append(ps_id)
         return Response(PROCESS_SET_REMOVE, 0, [name], extra=ps_id)
-    resp = Response(op, ss.id, [name], q0.dtype, [q0.shape], q0.reduce_op, q0.root, q0.prescale,
-                    q0.postscale, joined=joined, group=q0.group, device=q0.device)
+    resp = Response(
+        op,
+        ss.id,
+        [name],
+        q0.dtype,
+        [q0.shape],
+        q0.reduce_op,
+        q0.root,
+        q0.prescale,
+        q0.postscale,
+        joined=joined,
+        group=q0.group,
+        device=q0.device,
+    )
     if op == ALLGATHER:
         by_rank = dict(reqs)
         resp.dim0s = [[by_rank[r].shape[0] for r in ss.ranks]]

@@ -16,15 +16,30 @@ from dataclasses import dataclass, field
 # Request/response types (upstream's codes), plus pyhorovod's process-set operations.
 ALLREDUCE, ALLGATHER, BROADCAST, JOIN, ADASUM, ALLTOALL, BARRIER, REDUCESCATTER, ERROR = range(9)
 PROCESS_SET_ADD, PROCESS_SET_REMOVE = 20, 21
-OP_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", JOIN: "join",
-            ADASUM: "adasum", ALLTOALL: "alltoall", BARRIER: "barrier",
-            REDUCESCATTER: "reducescatter", ERROR: "error",
-            PROCESS_SET_ADD: "add_process_set", PROCESS_SET_REMOVE: "remove_process_set"}
+OP_NAMES = {
+    ALLREDUCE: "allreduce",
+    ALLGATHER: "allgather",
+    BROADCAST: "broadcast",
+    JOIN: "join",
+    ADASUM: "adasum",
+    ALLTOALL: "alltoall",
+    BARRIER: "barrier",
+    REDUCESCATTER: "reducescatter",
+    ERROR: "error",
+    PROCESS_SET_ADD: "add_process_set",
+    PROCESS_SET_REMOVE: "remove_process_set",
+}
 
 # Reduce ops (upstream's ReduceOp enum values).
 AVERAGE, SUM, ADASUM_OP, MIN, MAX, PRODUCT = range(6)
-REDUCE_NAMES = {AVERAGE: "Average", SUM: "Sum", ADASUM_OP: "Adasum", MIN: "Min", MAX: "Max",
-                PRODUCT: "Product"}
+REDUCE_NAMES = {
+    AVERAGE: "Average",
+    SUM: "Sum",
+    ADASUM_OP: "Adasum",
+    MIN: "Min",
+    MAX: "Max",
+    PRODUCT: "Product",
+}
 
 CPU_DEVICE = -1
 CACHEABLE = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER})
@@ -34,10 +49,10 @@ FUSIBLE = frozenset({ALLREDUCE, ALLGATHER, REDUCESCATTER})
 def display_name(op: int, name: str) -> str:
     """``allreduce 'fc1.weight'`` for core name ``allreduce.fc1.weight``."""
     prefix = OP_NAMES.get(op, "") + "."
-    short = name[len(prefix):] if name.startswith(prefix) else name
+    short = name[len(prefix) :] if name.startswith(prefix) else name
     for grouped in ("grouped_" + prefix,):
         if name.startswith(grouped):
-            short = name[len(grouped):]
+            short = name[len(grouped) :]
     return f"{OP_NAMES.get(op, '?')} '{short}'"
 
 
@@ -49,31 +64,69 @@ class Request:
     dtype: int
     shape: tuple[int, ...]
     reduce_op: int = SUM
-    root: int = -1          # global rank (broadcast)
+    root: int = -1  # global rank (broadcast)
     prescale: float = 1.0
     postscale: float = 1.0
     device: int = CPU_DEVICE
     group: int = -1
-    extra: object = None    # process-set operations: their argument
+    extra: object = None  # process-set operations: their argument
 
     def signature(self) -> tuple:
-        return (self.op, self.dtype, self.shape, self.reduce_op, self.root, self.prescale,
-                self.postscale, self.device, self.extra)
+        return (
+            self.op,
+            self.dtype,
+            self.shape,
+            self.reduce_op,
+            self.root,
+            self.prescale,
+            self.postscale,
+            self.device,
+            self.extra,
+        )
 
     def wire(self) -> tuple:
-        return (self.ps_id, self.name, self.op, self.dtype, self.shape, self.reduce_op, self.root,
-                self.prescale, self.postscale, self.device, self.group, self.extra)
+        return (
+            self.ps_id,
+            self.name,
+            self.op,
+            self.dtype,
+            self.shape,
+            self.reduce_op,
+            self.root,
+            self.prescale,
+            self.postscale,
+            self.device,
+            self.group,
+            self.extra,
+        )
 
     @classmethod
     def from_wire(cls, w: tuple) -> Request:
         ps_id, name, op, dtype, shape, reduce_op, root, pre, post, device, group, extra = w
-        if not (isinstance(name, str) and isinstance(shape, tuple)
-                and all(isinstance(d, int) and d >= 0 for d in shape)
-                and isinstance(pre, float) and isinstance(post, float)
-                and math.isfinite(pre) and math.isfinite(post)):
+        if not (
+            isinstance(name, str)
+            and isinstance(shape, tuple)
+            and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(pre, float)
+            and isinstance(post, float)
+            and math.isfinite(pre)
+            and math.isfinite(post)
+        ):
             raise ValueError("malformed request")
-        return cls(int(ps_id), name, int(op), int(dtype), shape, int(reduce_op), int(root), pre,
-                   post, int(device), int(group), extra)
+        return cls(
+            int(ps_id),
+            name,
+            int(op),
+            int(dtype),
+            shape,
+            int(reduce_op),
+            int(root),
+            pre,
+            post,
+            int(device),
+            int(group),
+            extra,
+        )
 
 
 @dataclass(slots=True)
@@ -88,7 +141,7 @@ class Response:
     prescale: float = 1.0
     postscale: float = 1.0
     dim0s: list[list[int]] | None = None  # allgather: first dims, per tensor, per set rank
-    joined: tuple[int, ...] = ()          # global ranks that had joined (contribute zeros)
+    joined: tuple[int, ...] = ()  # global ranks that had joined (contribute zeros)
     last_joined: int = -1
     error: str = ""
     extra: object = None
@@ -96,34 +149,108 @@ class Response:
     device: int = CPU_DEVICE
 
     def wire(self) -> tuple:
-        return ("R", self.op, self.ps_id, self.names, self.dtype, self.shapes, self.reduce_op,
-                self.root, self.prescale, self.postscale, self.dim0s, self.joined,
-                self.last_joined, self.error, self.extra, self.group, self.device)
+        return (
+            "R",
+            self.op,
+            self.ps_id,
+            self.names,
+            self.dtype,
+            self.shapes,
+            self.reduce_op,
+            self.root,
+            self.prescale,
+            self.postscale,
+            self.dim0s,
+            self.joined,
+            self.last_joined,
+            self.error,
+            self.extra,
+            self.group,
+            self.device,
+        )
 
     @classmethod
     def from_wire(cls, w: tuple) -> Response:
-        (_, op, ps_id, names, dtype, shapes, reduce_op, root, pre, post, dim0s, joined,
-         last_joined, error, extra, group, device) = w
-        return cls(op, ps_id, list(names), dtype, list(shapes), reduce_op, root, pre, post,
-                   dim0s, tuple(joined), last_joined, error, extra, group, device)
+        (
+            _,
+            op,
+            ps_id,
+            names,
+            dtype,
+            shapes,
+            reduce_op,
+            root,
+            pre,
+            post,
+            dim0s,
+            joined,
+            last_joined,
+            error,
+            extra,
+            group,
+            device,
+        ) = w
+        return cls(
+            op,
+            ps_id,
+            list(names),
+            dtype,
+            list(shapes),
+            reduce_op,
+            root,
+            pre,
+            post,
+            dim0s,
+            tuple(joined),
+            last_joined,
+            error,
+            extra,
+            group,
+            device,
+        )
 
     def split(self) -> list[Response]:
         """One single-tensor response per name (for the cache)."""
         if len(self.names) == 1:
             return [self]
-        return [Response(self.op, self.ps_id, [n], self.dtype, [self.shapes[i]], self.reduce_op,
-                         self.root, self.prescale, self.postscale,
-                         None if self.dim0s is None else [self.dim0s[i]], self.joined,
-                         self.last_joined, self.error, self.extra, self.group, self.device)
-                for i, n in enumerate(self.names)]
+        return [
+            Response(
+                self.op,
+                self.ps_id,
+                [n],
+                self.dtype,
+                [self.shapes[i]],
+                self.reduce_op,
+                self.root,
+                self.prescale,
+                self.postscale,
+                None if self.dim0s is None else [self.dim0s[i]],
+                self.joined,
+                self.last_joined,
+                self.error,
+                self.extra,
+                self.group,
+                self.device,
+            )
+            for i, n in enumerate(self.names)
+        ]
 
     def request_for(self, set_rank: int) -> tuple:
         """The request signature the given set rank must have sent for this (single) response."""
         shape = self.shapes[0]
         if self.op == ALLGATHER and self.dim0s is not None:
             shape = (self.dim0s[0][set_rank],) + tuple(shape[1:])
-        return (self.op, self.dtype, tuple(shape), self.reduce_op, self.root, self.prescale,
-                self.postscale, self.device, self.extra)
+        return (
+            self.op,
+            self.dtype,
+            tuple(shape),
+            self.reduce_op,
+            self.root,
+            self.prescale,
+            self.postscale,
+            self.device,
+            self.extra,
+        )
 
     def nbytes(self, itemsize: int) -> int:
         total = 0

@@ -16,8 +16,20 @@ import numpy as np
 
 from horovod.collectives import algorithms as alg
 from horovod.common.dtypes import DTYPE_OF_CODE
-from horovod.core.messages import (ALLGATHER, ALLREDUCE, ALLTOALL, AVERAGE, BARRIER, BROADCAST,
-                                   MAX, MIN, PRODUCT, REDUCESCATTER, SUM, Response)
+from horovod.core.messages import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    AVERAGE,
+    BARRIER,
+    BROADCAST,
+    MAX,
+    MIN,
+    PRODUCT,
+    REDUCESCATTER,
+    SUM,
+    Response,
+)
 from horovod.transport.base import as_bytes
 
 if TYPE_CHECKING:
@@ -66,8 +78,9 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
-def execute(resp: Response, entries: Sequence[Entry | None], t, buffers: Buffers,
-            fusion_threshold: int) -> list[object]:
+def execute(
+    resp: Response, entries: Sequence[Entry | None], t, buffers: Buffers, fusion_threshold: int
+) -> list[object]:
     """Run ``resp`` over transport view ``t``; return one result per entry (the output array,
     or for alltoall ``(output, received_splits)``)."""
     op = resp.op
@@ -108,8 +121,8 @@ def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
     total = sum(counts)
     buf = bufs.fusion_view(total * dtype.itemsize, dtype)
     off = 0
-    for e, c in zip(entries, counts):
-        seg = buf[off:off + c]
+    for e, c in zip(entries, counts, strict=False):
+        seg = buf[off : off + c]
         if e is None:
             seg.fill(0)
         else:
@@ -120,9 +133,9 @@ def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
     scale(buf, post)
     off = 0
     results: list = []
-    for e, c in zip(entries, counts):
+    for e, c in zip(entries, counts, strict=False):
         if e is not None:
-            np.copyto(_flat(e.output), buf[off:off + c])
+            np.copyto(_flat(e.output), buf[off : off + c])
             results.append(e.output)
         else:
             results.append(None)
@@ -136,7 +149,7 @@ def _allgather(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
     n, me = t.size, t.rank
     rows = [math.prod(s[1:]) for s in resp.shapes]  # elements per first-dim row
     outputs = []
-    for e, s, d0 in zip(entries, resp.shapes, resp.dim0s):
+    for e, s, d0 in zip(entries, resp.shapes, resp.dim0s, strict=False):
         assert e is not None
         outputs.append(e.alloc((sum(d0),) + tuple(s[1:]), dtype))
     if len(entries) == 1:
@@ -144,18 +157,19 @@ def _allgather(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
         nbytes = [d * rows[0] * dtype.itemsize for d in resp.dim0s[0]]
         flat = _bytes(out)
         start = sum(nbytes[:me])
-        flat[start:start + nbytes[me]] = _bytes(e.array)
+        flat[start : start + nbytes[me]] = _bytes(e.array)
         alg.allgatherv(t, flat, nbytes)
         return outputs
     # Fused: rank-major blocks, each block tensor-major.
-    per_rank = [sum(d0[r] * rows[i] for i, d0 in enumerate(resp.dim0s)) * dtype.itemsize
-                for r in range(n)]
+    per_rank = [
+        sum(d0[r] * rows[i] for i, d0 in enumerate(resp.dim0s)) * dtype.itemsize for r in range(n)
+    ]
     buf = bufs.fusion_view(sum(per_rank), np.dtype(np.uint8))
     block_start = [sum(per_rank[:r]) for r in range(n)]
     off = block_start[me]
     for e in entries:
         b = _bytes(e.array)
-        buf[off:off + b.size] = b
+        buf[off : off + b.size] = b
         off += b.size
     alg.allgatherv(t, buf, per_rank)
     for r in range(n):
@@ -163,7 +177,7 @@ def _allgather(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
         for i, out in enumerate(outputs):
             nb = resp.dim0s[i][r] * rows[i] * dtype.itemsize
             dst_off = sum(resp.dim0s[i][:r]) * rows[i] * dtype.itemsize
-            _bytes(out)[dst_off:dst_off + nb] = buf[off:off + nb]
+            _bytes(out)[dst_off : dst_off + nb] = buf[off : off + nb]
             off += nb
     return outputs
 
@@ -191,8 +205,8 @@ def _alltoall(resp: Response, entries: Sequence[Entry | None], t) -> list:
     sends, recvs = [], []
     so = ro = 0
     for p in range(t.size):
-        sends.append(src[so:so + splits[p] * row_bytes])
-        recvs.append(dst[ro:ro + received[p] * row_bytes])
+        sends.append(src[so : so + splits[p] * row_bytes])
+        recvs.append(dst[ro : ro + received[p] * row_bytes])
         so += splits[p] * row_bytes
         ro += received[p] * row_bytes
     alg.alltoallv(t, sends, recvs)
@@ -215,17 +229,17 @@ def _reducescatter(resp: Response, entries: Sequence[Entry | None], t, bufs: Buf
             for i, e in enumerate(entries):
                 start = sum(row_counts[i][:r]) * rows[i]
                 cnt = row_counts[i][r] * rows[i]
-                np.copyto(buf[off:off + cnt], _flat(e.array)[start:start + cnt])
+                np.copyto(buf[off : off + cnt], _flat(e.array)[start : start + cnt])
                 off += cnt
     scale(buf, resp.prescale)
     mine = alg.reduce_scatter(t, buf, seg, UFUNCS[resp.reduce_op], bufs.scratch)
     scale(mine, post)
     results = []
     off = 0
-    for i, (e, s) in enumerate(zip(entries, resp.shapes)):
+    for i, (e, s) in enumerate(zip(entries, resp.shapes, strict=False)):
         out = e.alloc((row_counts[i][me],) + tuple(s[1:]), dtype)
         cnt = row_counts[i][me] * rows[i]
-        np.copyto(_flat(out), mine[off:off + cnt])
+        np.copyto(_flat(out), mine[off : off + cnt])
         off += cnt
         results.append(out)
     return results

@@ -5,7 +5,7 @@ grouped forms, handles (``poll``/``synchronize``), join, barrier, object collect
 sets and compression, with the semantics of upstream's ``horovod.torch`` applied to arrays.
 """
 
-from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.common.exceptions import HostsUpdatedInterrupt
 from horovod.frontend import *  # noqa: F403
 from horovod.frontend import __all__ as _frontend_all
 

@@ -108,9 +108,12 @@ class RendezvousServer:
 
     def __init__(self, secret: bytes, host: str = "0.0.0.0", port: int = 0) -> None:
         self._server = _Server((host, port), secret)
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.1},
-                                        name="horovod-rendezvous", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="horovod-rendezvous",
+            daemon=True,
+        )
 
     @property
     def port(self) -> int:

@@ -48,7 +48,8 @@ class Store(ABC):
                     f"rendezvous keys in scope '{scope}': {', '.join(missing[:8])}"
                     f"{' ...' if len(missing) > 8 else ''}. Those ranks did not start or could "
                     "not reach the rendezvous server; raise HOROVOD_GLOO_TIMEOUT_SECONDS if they "
-                    "are just slow to start.")
+                    "are just slow to start."
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -73,15 +74,18 @@ class HTTPStoreClient(Store):
     """Client of ``horovod.rendezvous.server.RendezvousServer``; every request carries an HMAC
     of the method, path and body under the job secret."""
 
-    def __init__(self, addr: str, port: int, secret: bytes, *, retries: int = 5,
-                 timeout: float = 10.0) -> None:
+    def __init__(
+        self, addr: str, port: int, secret: bytes, *, retries: int = 5, timeout: float = 10.0
+    ) -> None:
         self.addr, self.port, self.secret = addr, port, secret
         self.retries, self.timeout = retries, timeout
 
     def _request(self, method: str, scope: str, key: str, body: bytes = b"") -> tuple[int, bytes]:
         path = "/" + urllib.parse.quote(scope, safe="") + "/" + urllib.parse.quote(key, safe="")
-        headers = {AUTH_HEADER: request_tag(self.secret, method, path, body),
-                   "Content-Length": str(len(body))}
+        headers = {
+            AUTH_HEADER: request_tag(self.secret, method, path, body),
+            "Content-Length": str(len(body)),
+        }
         last: Exception | None = None
         for attempt in range(self.retries):
             conn = http.client.HTTPConnection(self.addr, self.port, timeout=self.timeout)
@@ -92,7 +96,8 @@ class HTTPStoreClient(Store):
                 if resp.status == 403:
                     raise RendezvousError(
                         f"the rendezvous server at {self.addr}:{self.port} refused this worker: "
-                        "HOROVOD_SECRET_KEY does not match the job's secret")
+                        "HOROVOD_SECRET_KEY does not match the job's secret"
+                    )
                 if resp.status in (200, 404):
                     return resp.status, data
                 last = RendezvousError(f"HTTP {resp.status}: {data[:200]!r}")
@@ -100,10 +105,11 @@ class HTTPStoreClient(Store):
                 last = e
             finally:
                 conn.close()
-            time.sleep(min(0.05 * 2 ** attempt, 1.0))
+            time.sleep(min(0.05 * 2**attempt, 1.0))
         raise RendezvousError(
             f"cannot reach the rendezvous server at {self.addr}:{self.port} "
-            f"(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT): {last}")
+            f"(HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT): {last}"
+        )
 
     def set(self, scope: str, key: str, value: bytes) -> None:
         self._request("PUT", scope, key, bytes(value))

@@ -26,11 +26,15 @@ class SlotInfo:
     cross_size: int
 
     def env(self) -> dict[str, str]:
-        return {"HOROVOD_HOSTNAME": self.hostname, "HOROVOD_RANK": str(self.rank),
-                "HOROVOD_SIZE": str(self.size), "HOROVOD_LOCAL_RANK": str(self.local_rank),
-                "HOROVOD_LOCAL_SIZE": str(self.local_size),
-                "HOROVOD_CROSS_RANK": str(self.cross_rank),
-                "HOROVOD_CROSS_SIZE": str(self.cross_size)}
+        return {
+            "HOROVOD_HOSTNAME": self.hostname,
+            "HOROVOD_RANK": str(self.rank),
+            "HOROVOD_SIZE": str(self.size),
+            "HOROVOD_LOCAL_RANK": str(self.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(self.local_size),
+            "HOROVOD_CROSS_RANK": str(self.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(self.cross_size),
+        }
 
 
 def parse_hosts(text: str) -> list[HostInfo]:
@@ -43,8 +47,10 @@ def parse_hosts(text: str) -> list[HostInfo]:
         if ":" not in item:
             item += ":1"
         if not _HOST_RE.match(item):
-            raise ValueError(f"Invalid host input {item!r}: use the format host:slots, e.g. "
-                             "-H worker-0:2,worker-1:2")
+            raise ValueError(
+                f"Invalid host input {item!r}: use the format host:slots, e.g. "
+                "-H worker-0:2,worker-1:2"
+            )
         name, slots = item.rsplit(":", 1)
         if int(slots) <= 0:
             raise ValueError(f"host {name!r} has {slots} slots; give at least 1")
@@ -54,8 +60,10 @@ def parse_hosts(text: str) -> list[HostInfo]:
     names = [h.hostname for h in hosts]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ValueError(f"host(s) {', '.join(dup)} listed more than once; give each host once "
-                         "with its total number of slots")
+        raise ValueError(
+            f"host(s) {', '.join(dup)} listed more than once; give each host once "
+            "with its total number of slots"
+        )
     return hosts
 
 
@@ -82,8 +90,10 @@ def assign_slots(hosts: list[HostInfo], num_proc: int) -> list[SlotInfo]:
     """Fill hosts in order, slots in order, for exactly ``num_proc`` processes."""
     total = sum(h.slots for h in hosts)
     if num_proc > total:
-        raise ValueError(f"Requested more processes ({num_proc}) than there are available slots "
-                         f"({total}); add hosts or slots with -H host:slots")
+        raise ValueError(
+            f"Requested more processes ({num_proc}) than there are available slots "
+            f"({total}); add hosts or slots with -H host:slots"
+        )
     placed: list[tuple[str, int]] = []
     for h in hosts:
         for lr in range(h.slots):
@@ -95,8 +105,7 @@ def assign_slots(hosts: list[HostInfo], num_proc: int) -> list[SlotInfo]:
     slots = []
     for rank, (h, lr) in enumerate(placed):
         with_lr = [x for x in order if local_size[x] > lr]
-        slots.append(SlotInfo(h, rank, lr, with_lr.index(h), num_proc, local_size[h],
-                              len(with_lr)))
+        slots.append(SlotInfo(h, rank, lr, with_lr.index(h), num_proc, local_size[h], len(with_lr)))
     return slots
 
 

@@ -40,6 +40,7 @@ def _nonneg(kind: type):
         if v < 0:
             raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
         return v
+
     return parse
 
 
@@ -47,21 +48,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="horovodrun",
         description="Launch a Horovod training job (pyhorovod).",
-        epilog="Example: horovodrun -np 2 python examples/numpy_digits.py")
+        epilog="Example: horovodrun -np 2 python examples/numpy_digits.py",
+    )
     p.add_argument("-v", "--version", action="version", version=f"pyhorovod {__version__}")
-    p.add_argument("-np", "--num-proc", dest="np", type=_nonneg(int),
-                   help="number of worker processes")
-    p.add_argument("-cb", "--check-build", action="store_true",
-                   help="show which frameworks, controllers and operations are available")
+    p.add_argument(
+        "-np", "--num-proc", dest="np", type=_nonneg(int), help="number of worker processes"
+    )
+    p.add_argument(
+        "-cb",
+        "--check-build",
+        action="store_true",
+        help="show which frameworks, controllers and operations are available",
+    )
     p.add_argument("--disable-cache", action="store_true", help="accepted for compatibility")
-    p.add_argument("--start-timeout", type=_nonneg(float),
-                   help="seconds every rank may take to reach hvd.init() (default: "
-                        "HOROVOD_START_TIMEOUT or 30)")
+    p.add_argument(
+        "--start-timeout",
+        type=_nonneg(float),
+        help="seconds every rank may take to reach hvd.init() (default: "
+        "HOROVOD_START_TIMEOUT or 30)",
+    )
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
-    p.add_argument("--output-filename", help="also write each rank's output to "
-                                             "DIR/rank.N/stdout and stderr")
-    p.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
-                   help="prefix each output line with the time")
+    p.add_argument(
+        "--output-filename", help="also write each rank's output to DIR/rank.N/stdout and stderr"
+    )
+    p.add_argument(
+        "-prefix-timestamp",
+        "--prefix-output-with-timestamp",
+        action="store_true",
+        help="prefix each output line with the time",
+    )
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default localhost:NP)")
     hosts.add_argument("-hostfile", "--hostfile", help="file of lines '<host> slots=<n>'")
@@ -69,12 +84,21 @@ def build_parser() -> argparse.ArgumentParser:
     ctl.add_argument("--gloo", action="store_true", help="use the built-in TCP engine (default)")
     ctl.add_argument("--mpi", action="store_true", help="use MPI (not available in this build)")
     tun = p.add_argument_group("tunables")
-    tun.add_argument("--fusion-threshold-mb", type=_nonneg(int),
-                     help="Tensor Fusion buffer in MiB (default 128; 0 disables fusion)")
-    tun.add_argument("--cycle-time-ms", type=_nonneg(float),
-                     help="minimum ms between negotiation rounds under load (default 1)")
-    tun.add_argument("--cache-capacity", type=_nonneg(int),
-                     help="response cache entries (default 1024; 0 disables)")
+    tun.add_argument(
+        "--fusion-threshold-mb",
+        type=_nonneg(int),
+        help="Tensor Fusion buffer in MiB (default 128; 0 disables fusion)",
+    )
+    tun.add_argument(
+        "--cycle-time-ms",
+        type=_nonneg(float),
+        help="minimum ms between negotiation rounds under load (default 1)",
+    )
+    tun.add_argument(
+        "--cache-capacity",
+        type=_nonneg(int),
+        help="response cache entries (default 1024; 0 disables)",
+    )
     for flag in ("hierarchical-allreduce", "hierarchical-allgather", "torus-allreduce"):
         g = tun.add_mutually_exclusive_group()
         dest = flag.replace("-", "_")
@@ -82,8 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--no-{flag}", dest=dest, action="store_false")
     at = p.add_argument_group("autotune")
     at.add_argument("--autotune", action="store_true", default=None)
-    at.add_argument("--no-autotune", dest="autotune", action="store_false",
-                    help=argparse.SUPPRESS)
+    at.add_argument("--no-autotune", dest="autotune", action="store_false", help=argparse.SUPPRESS)
     at.add_argument("--autotune-log-file")
     at.add_argument("--autotune-warmup-samples", type=_nonneg(int))
     at.add_argument("--autotune-steps-per-sample", type=_nonneg(int))
@@ -94,23 +117,36 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--timeline-mark-cycles", action="store_true", default=None)
     st = p.add_argument_group("stall check")
     st.add_argument("--no-stall-check", dest="stall_check", action="store_false", default=None)
-    st.add_argument("--stall-check", dest="stall_check", action="store_true",
-                    help=argparse.SUPPRESS)
+    st.add_argument(
+        "--stall-check", dest="stall_check", action="store_true", help=argparse.SUPPRESS
+    )
     st.add_argument("--stall-check-warning-time-seconds", type=_nonneg(float))
     st.add_argument("--stall-check-shutdown-time-seconds", type=_nonneg(float))
     lib = p.add_argument_group("library")
-    lib.add_argument("--gloo-timeout-seconds", type=_nonneg(float),
-                     help="seconds allowed for connection set-up (default 30)")
-    lib.add_argument("--network-interfaces", "--network-interface", dest="nics",
-                     help="interface the workers listen on (e.g. lo, eth0)")
+    lib.add_argument(
+        "--gloo-timeout-seconds",
+        type=_nonneg(float),
+        help="seconds allowed for connection set-up (default 30)",
+    )
+    lib.add_argument(
+        "--network-interfaces",
+        "--network-interface",
+        dest="nics",
+        help="interface the workers listen on (e.g. lo, eth0)",
+    )
     lib.add_argument("--mpi-threads-disable", action="store_true", default=None)
     lib.add_argument("--num-nccl-streams", type=_nonneg(int))
     lib.add_argument("--thread-affinity", type=_nonneg(int))
     lib.add_argument("--tcp", action="store_true", help="accepted for compatibility")
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper)
-    lg.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_hide_time",
-                    action="store_true", default=None)
+    lg.add_argument(
+        "--log-without-timestamp",
+        "--log-hide-timestamp",
+        dest="log_hide_time",
+        action="store_true",
+        default=None,
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     return p
 
@@ -123,8 +159,10 @@ def env_from_args(a: argparse.Namespace) -> dict[str, str]:
         if value is not None:
             env[var] = ("1" if value else "0") if isinstance(value, bool) else str(value)
 
-    put("HOROVOD_FUSION_THRESHOLD",
-        None if a.fusion_threshold_mb is None else a.fusion_threshold_mb * 1024 * 1024)
+    put(
+        "HOROVOD_FUSION_THRESHOLD",
+        None if a.fusion_threshold_mb is None else a.fusion_threshold_mb * 1024 * 1024,
+    )
     put("HOROVOD_CYCLE_TIME", None if a.cycle_time_ms is None else float(a.cycle_time_ms))
     put("HOROVOD_CACHE_CAPACITY", a.cache_capacity)
     put("HOROVOD_HIERARCHICAL_ALLREDUCE", a.hierarchical_allreduce)
@@ -165,14 +203,22 @@ def check_build() -> str:
 
         return importlib.util.find_spec(mod) is not None
 
-    frameworks = [("TensorFlow", have("horovod.tensorflow") and have("tensorflow")),
-                  ("PyTorch", have("horovod.torch") and have("torch")),
-                  ("MXNet", have("horovod.mxnet") and have("mxnet")),
-                  ("NumPy", True)]
+    frameworks = [
+        ("TensorFlow", have("horovod.tensorflow") and have("tensorflow")),
+        ("PyTorch", have("horovod.torch") and have("torch")),
+        ("MXNet", have("horovod.mxnet") and have("mxnet")),
+        ("NumPy", True),
+    ]
     lines = [f"Horovod v{__version__} (pyhorovod):", "", "Available Frameworks:"]
     lines += [f"    {mark(ok)} {name}" for name, ok in frameworks]
-    lines += ["", "Available Controllers:", f"    {mark(False)} MPI", f"    {mark(True)} Gloo",
-              "", "Available Tensor Operations:"]
+    lines += [
+        "",
+        "Available Controllers:",
+        f"    {mark(False)} MPI",
+        f"    {mark(True)} Gloo",
+        "",
+        "Available Tensor Operations:",
+    ]
     lines += [f"    {mark(n == 'Gloo')} {n}" for n in ("NCCL", "DDL", "CCL", "MPI", "Gloo")]
     return "\n".join(lines)
 
@@ -198,18 +244,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         return _error("no training command given, e.g. horovodrun -np 2 python train.py")
     if a.mpi:
-        return _error("--mpi is not available in this build; the default (--gloo) engine needs "
-                      "no MPI")
+        return _error(
+            "--mpi is not available in this build; the default (--gloo) engine needs no MPI"
+        )
     try:
-        hosts = (parse_hostfile(a.hostfile) if a.hostfile else
-                 parse_hosts(a.hosts) if a.hosts else parse_hosts(f"localhost:{a.np}"))
+        hosts = (
+            parse_hostfile(a.hostfile)
+            if a.hostfile
+            else parse_hosts(a.hosts)
+            if a.hosts
+            else parse_hosts(f"localhost:{a.np}")
+        )
         slots = assign_slots(hosts, a.np)
     except (OSError, ValueError) as e:
         return _error(str(e))
     remote = sorted({s.hostname for s in slots if not is_local(s.hostname)})
     if remote:
-        return _error(f"host(s) {', '.join(remote)} are not this machine; this version runs "
-                      "jobs on the local host only (use -H localhost:N)")
+        return _error(
+            f"host(s) {', '.join(remote)} are not this machine; this version runs "
+            "jobs on the local host only (use -H localhost:N)"
+        )
     if shutil.which(command[0]) is None and not os.path.exists(command[0]):
         return _error(f"command not found: {command[0]}")
 
@@ -217,10 +271,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = RendezvousServer(bytes.fromhex(secret), host="127.0.0.1").start()
     base = {k: v for k, v in os.environ.items() if not _NOT_EXPORTED.match(k)}
     base.update(env_from_args(a))
-    base.update({"HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
-                 "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
-                 "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                 "HOROVOD_SECRET_KEY": secret, "PYTHONUNBUFFERED": "1"})
+    base.update(
+        {
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
+            "HOROVOD_CONTROLLER": "gloo",
+            "HOROVOD_CPU_OPERATIONS": "gloo",
+            "HOROVOD_SECRET_KEY": secret,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if a.nics:
         base["HOROVOD_GLOO_IFACE"] = a.nics.split(",")[0]
     commands = []
@@ -229,9 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         env.update(s.env())
         commands.append((s.rank, s.hostname, command, env))
     if a.verbose:
-        print(f"horovodrun: {a.np} processes on {', '.join(f'{h.hostname}:{h.slots}' for h in hosts)}"
-              f"; rendezvous on 127.0.0.1:{server.port}; command: {' '.join(command)}",
-              file=sys.stderr)
+        print(
+            f"horovodrun: {a.np} processes on {', '.join(f'{h.hostname}:{h.slots}' for h in hosts)}"
+            f"; rendezvous on 127.0.0.1:{server.port}; command: {' '.join(command)}",
+            file=sys.stderr,
+        )
+
     def failure_note(rank: int) -> tuple[str, str] | None:
         raw = server.get("job", f"failure.{rank}")
         if raw is None:
@@ -239,8 +302,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind, _, summary = raw.decode("utf-8", "replace").partition("\n")
         return kind, summary
 
-    job = Job(commands, timestamp=a.prefix_output_with_timestamp, output_dir=a.output_filename,
-              failure_note=failure_note)
+    job = Job(
+        commands,
+        timestamp=a.prefix_output_with_timestamp,
+        output_dir=a.output_filename,
+        failure_note=failure_note,
+    )
 
     def on_signal(signum: int, _frame: object) -> None:
         job.interrupt(signal.Signals(signum).name)

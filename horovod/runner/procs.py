@@ -102,7 +102,7 @@ def _forward(w: Worker, pipe: BinaryIO, stream: str, sink: OutputSink, size: int
             if c == 10 or c == 13:  # \n or \r
                 if c == 13 and i + 1 < n and pending[i + 1] == 10:
                     i += 1  # \r\n is one line end
-                piece = pending[start:i + 1]
+                piece = pending[start : i + 1]
                 sink.write(w.rank, stream, piece, size)
                 text = piece.rstrip(b"\r\n").decode("utf-8", "replace")
                 if text:
@@ -125,10 +125,15 @@ def exit_description(code: int) -> str:
 class Job:
     """Runs the workers of one job on this host."""
 
-    def __init__(self, commands: Sequence[tuple[int, str, list[str], dict[str, str]]], *,
-                 timestamp: bool = False, output_dir: str | None = None,
-                 grace_seconds: float = 5.0,
-                 failure_note: Callable[[int], tuple[str, str] | None] | None = None) -> None:
+    def __init__(
+        self,
+        commands: Sequence[tuple[int, str, list[str], dict[str, str]]],
+        *,
+        timestamp: bool = False,
+        output_dir: str | None = None,
+        grace_seconds: float = 5.0,
+        failure_note: Callable[[int], tuple[str, str] | None] | None = None,
+    ) -> None:
         self.commands = commands
         self.failure_note = failure_note or (lambda rank: None)
         self.sink = OutputSink(timestamp, output_dir)
@@ -143,22 +148,31 @@ class Job:
         for rank, host, argv, env in self.commands:
             try:
                 proc = subprocess.Popen(
-                    argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE, start_new_session=True,
-                    preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None)
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+                )
             except OSError as e:
                 self.stop_all()
-                raise RuntimeError(f"horovodrun: cannot start rank {rank}: {argv[0]}: "
-                                   f"{e.strerror or e}") from None
+                raise RuntimeError(
+                    f"horovodrun: cannot start rank {rank}: {argv[0]}: {e.strerror or e}"
+                ) from None
             w = Worker(rank, host, proc)
             self.workers.append(w)
             for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-                t = threading.Thread(target=_forward, args=(w, pipe, stream, self.sink, size),
-                                     daemon=True, name=f"fwd-{rank}-{stream}")
+                t = threading.Thread(
+                    target=_forward,
+                    args=(w, pipe, stream, self.sink, size),
+                    daemon=True,
+                    name=f"fwd-{rank}-{stream}",
+                )
                 t.start()
                 w.threads.append(t)
-            threading.Thread(target=self._wait, args=(w,), daemon=True,
-                             name=f"wait-{rank}").start()
+            threading.Thread(target=self._wait, args=(w,), daemon=True, name=f"wait-{rank}").start()
 
     def _wait(self, w: Worker) -> None:
         code = w.proc.wait()
@@ -232,8 +246,9 @@ class Job:
     def report(self) -> str:
         """The failure report: other ranks first, the root cause last."""
         if self.interrupted is not None:
-            return (f"horovodrun: received {self.interrupted}; stopped all "
-                    f"{len(self.workers)} workers.")
+            return (
+                f"horovodrun: received {self.interrupted}; stopped all {len(self.workers)} workers."
+            )
         f = self.root_cause()
         if f is None:
             return ""
@@ -243,25 +258,33 @@ class Job:
                 continue
             note = self.failure_note(w.rank)
             if w.stopped_by_us and not (w.exit_code and note):
-                lines.append(f"  rank {w.rank} ({w.host}): stopped by horovodrun because rank "
-                             f"{f.rank} failed")
+                lines.append(
+                    f"  rank {w.rank} ({w.host}): stopped by horovodrun because rank "
+                    f"{f.rank} failed"
+                )
             elif w.exit_code:
                 why = f" ({note[1]})" if note and note[0] == "root" else ""
-                lines.append(f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code)}{why} "
-                             f"after rank {f.rank} failed")
+                lines.append(
+                    f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code)}{why} "
+                    f"after rank {f.rank} failed"
+                )
             else:
                 lines.append(f"  rank {w.rank} ({w.host}): finished (exit code 0)")
         note = self.failure_note(f.rank)
-        when = time.strftime('%H:%M:%S', time.localtime(f.exit_time))
+        when = time.strftime("%H:%M:%S", time.localtime(f.exit_time))
         if note and note[0] == "root":
             how = exit_description(f.exit_code or 1)
             if f.stopped_by_us:
                 how = "was stopped by horovodrun while shutting down"
-            lines.append(f"Root cause: rank {f.rank} on host {f.host} failed with {note[1]} "
-                         f"(it {how}, {when}).")
+            lines.append(
+                f"Root cause: rank {f.rank} on host {f.host} failed with {note[1]} "
+                f"(it {how}, {when})."
+            )
         else:
-            lines.append(f"Root cause: rank {f.rank} on host {f.host} "
-                         f"{exit_description(f.exit_code or 1)} at {when}, first of all ranks.")
+            lines.append(
+                f"Root cause: rank {f.rank} on host {f.host} "
+                f"{exit_description(f.exit_code or 1)} at {when}, first of all ranks."
+            )
         if f.tail:
             lines.append(f"Last lines of rank {f.rank}'s output:")
             lines.extend(f"  {t}" for t in f.tail)

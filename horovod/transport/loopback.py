@@ -63,7 +63,9 @@ class LoopbackTransport(Transport):
                 if len(data) != mv.nbytes:
                     raise TransportError(
                         f"internal error: rank {self.rank} expected {mv.nbytes} bytes from rank "
-                        f"{peer} but the next message has {len(data)}", peer)
+                        f"{peer} but the next message has {len(data)}",
+                        peer,
+                    )
                 mv[:] = data
 
     def _check(self, peer: int | None) -> None:
@@ -71,15 +73,15 @@ class LoopbackTransport(Transport):
         if self.rank in r.aborted:
             raise TransportError(r.aborted[self.rank])
         if peer is not None and peer in r.closed:
-            raise TransportError(f"connection to rank {peer} was lost (rank {peer} closed it)",
-                                 peer)
+            raise TransportError(
+                f"connection to rank {peer} was lost (rank {peer} closed it)", peer
+            )
 
     def send_ctrl(self, peer: int, payload: bytes) -> None:
         r = self._r
         with r.cond:
             if self.rank in r.closed:
-                raise TransportError(r.aborted.get(self.rank, "this rank's connections are "
-                                                   "closed"))
+                raise TransportError(r.aborted.get(self.rank, "this rank's connections are closed"))
             if peer in r.closed:
                 return
             handler = r.handlers[peer]

@@ -77,12 +77,22 @@ def interface_address(iface: str) -> str:
             return a.address
     raise TransportError(
         f"HOROVOD_GLOO_IFACE={iface!r} has no IPv4 address on this host; "
-        f"interfaces here: {', '.join(sorted(psutil.net_if_addrs()))}")
+        f"interfaces here: {', '.join(sorted(psutil.net_if_addrs()))}"
+    )
 
 
 class TcpTransport(Transport):
-    def __init__(self, rank: int, size: int, *, store: Store, scope: str, secret: bytes,
-                 advertise: str, timeout: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        store: Store,
+        scope: str,
+        secret: bytes,
+        advertise: str,
+        timeout: float,
+    ) -> None:
         self.rank, self.size = rank, size
         self._key = derive(secret, f"transport/{scope}")
         self._data: dict[int, socket.socket] = {}
@@ -93,11 +103,13 @@ class TcpTransport(Transport):
         self._aborted: str | None = None
         self._readers: list[threading.Thread] = []
         self.rejected = 0
-        self._listener = socket.create_server(("0.0.0.0" if advertise != "127.0.0.1" else
-                                               "127.0.0.1", 0), backlog=max(16, 2 * size))
+        self._listener = socket.create_server(
+            ("0.0.0.0" if advertise != "127.0.0.1" else "127.0.0.1", 0), backlog=max(16, 2 * size)
+        )
         port = self._listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"horovod-accept-{rank}")
+        self._acceptor = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"horovod-accept-{rank}"
+        )
         self._acceptor.start()
         try:
             store.set(scope, f"tcp.{rank}", f"{advertise}:{port}".encode())
@@ -126,8 +138,10 @@ class TcpTransport(Transport):
                 break
             except OSError as e:
                 if time.monotonic() > deadline:
-                    raise TransportError(f"rank {self.rank} cannot connect to rank {peer} at "
-                                         f"{host}:{port}: {e}", peer) from None
+                    raise TransportError(
+                        f"rank {self.rank} cannot connect to rank {peer} at {host}:{port}: {e}",
+                        peer,
+                    ) from None
                 time.sleep(0.05)
         try:
             _tune(sock)
@@ -137,16 +151,20 @@ class TcpTransport(Transport):
             nonce_s, tag = reply[:16], reply[16:]
             parts = self._hello_parts(kind, self.rank, nonce_c, nonce_s)
             if not verify(self._key, tag, b"server", *parts):
-                raise TransportError(f"rank {peer} at {host}:{port} failed authentication: it "
-                                     "does not hold this job's secret", peer)
+                raise TransportError(
+                    f"rank {peer} at {host}:{port} failed authentication: it "
+                    "does not hold this job's secret",
+                    peer,
+                )
             sock.sendall(mac(self._key, b"client", *parts))
             if _recv_exact(sock, 2) != b"OK":
                 raise TransportError(f"rank {peer} refused the connection", peer)
             sock.settimeout(None)
         except (OSError, ConnectionError) as e:
             sock.close()
-            raise TransportError(f"handshake with rank {peer} at {host}:{port} failed: {e}",
-                                 peer) from None
+            raise TransportError(
+                f"handshake with rank {peer} at {host}:{port} failed: {e}", peer
+            ) from None
         except BaseException:
             sock.close()
             raise
@@ -160,15 +178,21 @@ class TcpTransport(Transport):
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # listener closed
-            threading.Thread(target=self._handshake, args=(sock,), daemon=True,
-                             name="horovod-handshake").start()
+            threading.Thread(
+                target=self._handshake, args=(sock,), daemon=True, name="horovod-handshake"
+            ).start()
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(HANDSHAKE_TIMEOUT)
             magic, kind, rank, size, nonce_c = HELLO.unpack(_recv_exact(sock, HELLO.size))
-            ok = (magic == MAGIC and kind in (KIND_DATA, KIND_CTRL) and size == self.size
-                  and 0 <= rank < self.size and rank != self.rank)
+            ok = (
+                magic == MAGIC
+                and kind in (KIND_DATA, KIND_CTRL)
+                and size == self.size
+                and 0 <= rank < self.size
+                and rank != self.rank
+            )
             if not ok:
                 raise ConnectionError("bad hello")
             nonce_s = os.urandom(16)
@@ -206,7 +230,9 @@ class TcpTransport(Transport):
                 if left <= 0:
                     raise TransportError(
                         f"rank {self.rank}: ranks {missing} did not connect within {timeout:g} s "
-                        "(HOROVOD_GLOO_TIMEOUT_SECONDS)", missing[0])
+                        "(HOROVOD_GLOO_TIMEOUT_SECONDS)",
+                        missing[0],
+                    )
                 self._cond.wait(min(left, 0.5))
 
     # ---------------------------------------------------------------- data plane
@@ -280,10 +306,15 @@ class TcpTransport(Transport):
     def _lost(self, peer: int, err: OSError | None) -> TransportError:
         if self._aborted is not None:
             return TransportError(self._aborted)
-        why = "it closed the connection" if err is None else (
-            errno.errorcode.get(err.errno or 0, str(err)) if err.errno else str(err))
-        return TransportError(f"connection to rank {peer} was lost ({why}); rank {peer} exited, "
-                              "crashed or aborted", peer)
+        why = (
+            "it closed the connection"
+            if err is None
+            else (errno.errorcode.get(err.errno or 0, str(err)) if err.errno else str(err))
+        )
+        return TransportError(
+            f"connection to rank {peer} was lost ({why}); rank {peer} exited, crashed or aborted",
+            peer,
+        )
 
     # ---------------------------------------------------------------- control plane
     def send_ctrl(self, peer: int, payload: bytes) -> None:
@@ -293,8 +324,11 @@ class TcpTransport(Transport):
         lock = self._ctrl_locks.setdefault(peer, threading.Lock())
         with lock:
             try:
-                sock.sendall(FRAME.pack(len(payload)) + payload if len(payload) < 65536
-                             else FRAME.pack(len(payload)))
+                sock.sendall(
+                    FRAME.pack(len(payload)) + payload
+                    if len(payload) < 65536
+                    else FRAME.pack(len(payload))
+                )
                 if len(payload) >= 65536:
                     sock.sendall(payload)
             except OSError as e:
@@ -302,8 +336,12 @@ class TcpTransport(Transport):
 
     def start_ctrl(self, handler: CtrlHandler) -> None:
         for peer, sock in self._ctrl.items():
-            t = threading.Thread(target=self._read_ctrl, args=(peer, sock, handler), daemon=True,
-                                 name=f"horovod-ctrl-{self.rank}<-{peer}")
+            t = threading.Thread(
+                target=self._read_ctrl,
+                args=(peer, sock, handler),
+                daemon=True,
+                name=f"horovod-ctrl-{self.rank}<-{peer}",
+            )
             t.start()
             self._readers.append(t)
 
