@@ -274,3 +274,58 @@ def test_crashed_rank_is_named_on_every_other_rank():
         return "ok"
 
     assert run_ranks(body, 3, timeout=30)[:2] == ["ok", "ok"]
+
+
+def test_device_mismatch():
+    from horovod.core.context import current
+    from horovod.core.engine import Entry, Handle
+    from horovod.core.messages import ALLREDUCE, Request
+
+    def body(rank):
+        h = Handle(1)
+        x = np.zeros(3)
+        req = Request(0, "dev", ALLREDUCE, 8, (3,), device=-1 if rank == 0 else 0)
+        current().engine.submit([Entry(req, x, x.copy(), h)])
+        with pytest.raises(HorovodInternalError) as info:
+            h.wait()
+        return str(info.value)
+
+    for m in run_ranks(body, 2):
+        assert "device CPU on rank 0 but GPU 0 on rank 1" in m
+
+
+def test_stall_is_reported_and_aborts_past_the_shutdown_limit(caplog):
+    """Rank 1 never submits; the coordinator warns, then aborts naming rank 1 and the tensor."""
+    import logging
+
+    def body(rank):
+        with pytest.raises(HorovodInternalError) as info:
+            if rank == 1:
+                hvd.barrier()  # waits for rank 0, which never gets there: stuck on 'lonely'
+            else:
+                hvd.allreduce(np.zeros(1), name="lonely")
+        return str(info.value)
+
+    env = {
+        "HOROVOD_STALL_CHECK_DISABLE": "0",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "0.2",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0.6",
+    }
+    with caplog.at_level(logging.WARNING, logger="horovod"):
+        messages = run_ranks(body, 2, env=env, timeout=30)
+    import re
+
+    msg = messages[1]  # every rank gets the whole report
+    assert re.search(
+        r"allreduce 'lonely': submitted by ranks \[0\], waiting [\d.]+ s for "
+        r"ranks \[1\]",
+        msg,
+    )
+    assert re.search(
+        r"barrier 'noname': submitted by ranks \[1\], waiting [\d.]+ s for "
+        r"ranks \[0\]",
+        msg,
+    )
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=0.6 exceeded" in msg
+    warned = [r.getMessage() for r in caplog.records if "Stall:" in r.getMessage()]
+    assert warned and "inside `if hvd.rank() == 0:`" in warned[0]

@@ -321,9 +321,23 @@ def test_strangers_on_the_ports_do_not_disturb_a_running_job(tmp_path):
 def test_main_example_trains_to_high_accuracy():
     """The README's main command (examples/numpy_digits.py under horovodrun -np 2)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "horovod.runner.launch", "-np", "2",
-                        sys.executable, str(REPO / "examples" / "numpy_digits.py"),
-                        "--epochs", "8"], capture_output=True, text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "horovod.runner.launch",
+            "-np",
+            "2",
+            sys.executable,
+            str(REPO / "examples" / "numpy_digits.py"),
+            "--epochs",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:training on 2 rank(s)" in r.stdout
     assert "replicas identical: True" in r.stdout
@@ -331,10 +345,30 @@ def test_main_example_trains_to_high_accuracy():
 
 def test_collectives_benchmark_runs(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "horovod.benchmarks.collectives", "--peers",
-                        "ours", "--max-bytes", "1K", "--budget", "0.05"], capture_output=True,
-                       text=True, timeout=120, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "horovod.benchmarks.collectives",
+            "--peers",
+            "ours",
+            "--max-bytes",
+            "1K",
+            "--budget",
+            "0.05",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     for op in ("allreduce", "allgather", "broadcast"):
         assert f"\n{op} (2 ranks" in r.stdout
     assert "| 4 B |" in r.stdout and "| 1 KiB |" in r.stdout
+
+
+def test_verbose_describes_the_job():
+    r = run_script("print('hi')\n", 2, launcher_args=["--verbose"])
+    assert r.returncode == 0
+    assert "horovodrun: 2 processes on localhost:2; rendezvous on 127.0.0.1:" in r.stderr

@@ -773,7 +773,7 @@ class _Coordinator:
                 op = next(iter(p.reqs.values())).op
                 lines.append(
                     f"  {display_name(op, name)}: submitted by ranks "
-                    f"{sorted(p.reqs)}, waiting {waited:.0f} s for ranks {missing}"
+                    f"{sorted(p.reqs)}, waiting {waited:.1f} s for ranks {missing}"
                     f"{' (over the shutdown limit)' if over else ''}"
                 )
         if not lines:
