@@ -311,8 +311,13 @@ def test_stall_is_reported_and_aborts_past_the_shutdown_limit(caplog):
         "HOROVOD_STALL_CHECK_TIME_SECONDS": "0.2",
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0.6",
     }
-    with caplog.at_level(logging.WARNING, logger="horovod"):
-        messages = run_ranks(body, 2, env=env, timeout=30)
+    hlog = logging.getLogger("horovod")
+    hlog.addHandler(caplog.handler)  # hvd.init() in-process makes it non-propagating
+    try:
+        with caplog.at_level(logging.WARNING, logger="horovod"):
+            messages = run_ranks(body, 2, env=env, timeout=30)
+    finally:
+        hlog.removeHandler(caplog.handler)
     import re
 
     msg = messages[1]  # every rank gets the whole report
