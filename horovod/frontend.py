@@ -294,10 +294,58 @@ def _names(
     return [f"{base}_{i + 1}of{n}" for i in range(n)]
 
 
-def _submit(ctx: _context.Context, entries: list[Entry], handle_id: int, handle: Handle) -> int:
+def _enqueue(
+    ctx: _context.Context,
+    what: str,
+    op_type: int,
+    ps_id: int,
+    tensors: Sequence[np.ndarray],
+    outputs: Sequence[np.ndarray | None],
+    *,
+    name: str | None,
+    grouped: bool,
+    reduce_op: int = SUM,
+    root: int = -1,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    device: int = CPU_DEVICE,
+    splits: list[int] | None = None,
+    alloc: Alloc | None = None,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
+    """Name, describe and submit one op (one entry per tensor); returns its handle id."""
+    n = len(tensors)
+    hid = ctx.new_handle()
+    names = _names(ctx, what, name, ps_id, n if grouped else None, n)
+    group = _group_id(ctx, n if grouped else None)
+    handle = Handle(n, _callsite(), finish)
+    entries = [
+        Entry(
+            Request(
+                ps_id,
+                nm,
+                op_type,
+                code_of(t.dtype, what),
+                tuple(t.shape),
+                reduce_op,
+                root,
+                prescale,
+                postscale,
+                device,
+                group,
+            ),
+            t,
+            o,
+            handle,
+            i,
+            splits=splits,
+            alloc=alloc,
+        )
+        for i, (nm, t, o) in enumerate(zip(names, tensors, outputs, strict=True))
+    ]
     ctx.engine.submit(entries)
-    ctx.handles[handle_id] = handle
-    return handle_id
+    ctx.handles[hid] = handle
+    return hid
 
 
 def _group_id(ctx: _context.Context, n: int | None) -> int:
@@ -336,33 +384,21 @@ def submit_allreduce(
     pre, post = float(prescale_factor), float(postscale_factor)
     if not (math.isfinite(pre) and math.isfinite(post)):
         raise ValueError(f"{what}: prescale_factor and postscale_factor must be finite")
-    hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None, len(tensors))
-    group = _group_id(ctx, len(tensors) if grouped else None)
-    handle = Handle(len(tensors), _callsite(), finish)
-    entries = [
-        Entry(
-            Request(
-                ps_id,
-                nm,
-                ALLREDUCE,
-                code_of(t.dtype, what),
-                tuple(t.shape),
-                op,
-                -1,
-                pre,
-                post,
-                device,
-                group,
-            ),
-            t,
-            o,
-            handle,
-            i,
-        )
-        for i, (nm, t, o) in enumerate(zip(names, tensors, outputs, strict=False))
-    ]
-    return _submit(ctx, entries, hid, handle)
+    return _enqueue(
+        ctx,
+        what,
+        ALLREDUCE,
+        ps_id,
+        tensors,
+        outputs,
+        name=name,
+        grouped=grouped,
+        reduce_op=op,
+        prescale=pre,
+        postscale=post,
+        device=device,
+        finish=finish,
+    )
 
 
 def submit_allgather(
@@ -384,34 +420,19 @@ def submit_allgather(
                 f"{what}: needs an array with at least one dimension (the one "
                 "gathered along), got a scalar; reshape it with x.reshape(1)"
             )
-    hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None, len(tensors))
-    group = _group_id(ctx, len(tensors) if grouped else None)
-    handle = Handle(len(tensors), _callsite(), finish)
-    entries = [
-        Entry(
-            Request(
-                ps_id,
-                nm,
-                ALLGATHER,
-                code_of(t.dtype, what),
-                tuple(t.shape),
-                SUM,
-                -1,
-                1.0,
-                1.0,
-                device,
-                group,
-            ),
-            t,
-            None,
-            handle,
-            i,
-            alloc=alloc,
-        )
-        for i, (nm, t) in enumerate(zip(names, tensors, strict=False))
-    ]
-    return _submit(ctx, entries, hid, handle)
+    return _enqueue(
+        ctx,
+        what,
+        ALLGATHER,
+        ps_id,
+        tensors,
+        [None] * len(tensors),
+        name=name,
+        grouped=grouped,
+        device=device,
+        alloc=alloc,
+        finish=finish,
+    )
 
 
 def submit_broadcast(
@@ -432,27 +453,19 @@ def submit_broadcast(
             f"broadcast: root_rank={root_rank!r} is not a rank of the process set "
             f"(its ranks are {ranks}); root_rank is a global rank"
         )
-    hid = ctx.new_handle()
-    (nm,) = _names(ctx, "broadcast", name, ps_id, None)
-    handle = Handle(1, _callsite(), finish)
-    entry = Entry(
-        Request(
-            ps_id,
-            nm,
-            BROADCAST,
-            code_of(tensor.dtype, "broadcast"),
-            tuple(tensor.shape),
-            SUM,
-            int(root_rank),
-            1.0,
-            1.0,
-            device,
-        ),
-        tensor,
-        output,
-        handle,
+    return _enqueue(
+        ctx,
+        "broadcast",
+        BROADCAST,
+        ps_id,
+        [tensor],
+        [output],
+        name=name,
+        grouped=False,
+        root=int(root_rank),
+        device=device,
+        finish=finish,
     )
-    return _submit(ctx, [entry], hid, handle)
 
 
 def submit_alltoall(
@@ -497,29 +510,20 @@ def submit_alltoall(
                 f"dimension of the array ({d0})"
             )
         split_list = [int(x) for x in arr]
-    hid = ctx.new_handle()
-    (nm,) = _names(ctx, "alltoall", name, ps_id, None)
-    handle = Handle(1, _callsite(), finish)
-    entry = Entry(
-        Request(
-            ps_id,
-            nm,
-            ALLTOALL,
-            code_of(tensor.dtype, "alltoall"),
-            tuple(tensor.shape),
-            SUM,
-            -1,
-            1.0,
-            1.0,
-            device,
-        ),
-        tensor,
-        None,
-        handle,
+    return _enqueue(
+        ctx,
+        "alltoall",
+        ALLTOALL,
+        ps_id,
+        [tensor],
+        [None],
+        name=name,
+        grouped=False,
+        device=device,
         splits=split_list,
         alloc=alloc,
+        finish=finish,
     )
-    return _submit(ctx, [entry], hid, handle)
 
 
 def submit_reducescatter(
@@ -545,34 +549,22 @@ def submit_reducescatter(
             raise ValueError(f"{what}: needs an array with at least one dimension, got a scalar")
         if t.dtype == np.bool_:
             raise ValueError(f"{what}: bool arrays cannot be summed; cast them first")
-    hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, len(tensors) if grouped else None, len(tensors))
-    group = _group_id(ctx, len(tensors) if grouped else None)
-    handle = Handle(len(tensors), _callsite(), finish)
-    entries = [
-        Entry(
-            Request(
-                ps_id,
-                nm,
-                REDUCESCATTER,
-                code_of(t.dtype, what),
-                tuple(t.shape),
-                op,
-                -1,
-                float(prescale_factor),
-                float(postscale_factor),
-                device,
-                group,
-            ),
-            t,
-            None,
-            handle,
-            i,
-            alloc=alloc,
-        )
-        for i, (nm, t) in enumerate(zip(names, tensors, strict=False))
-    ]
-    return _submit(ctx, entries, hid, handle)
+    return _enqueue(
+        ctx,
+        what,
+        REDUCESCATTER,
+        ps_id,
+        tensors,
+        [None] * len(tensors),
+        name=name,
+        grouped=grouped,
+        reduce_op=op,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+        device=device,
+        alloc=alloc,
+        finish=finish,
+    )
 
 
 def _blocking(ctx: _context.Context, op: int, name: str, ps_id: int, extra: Any = None) -> Any:
