@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
-def _current() -> Any:
-    from horovod.core.context import current
+def _no_context() -> Any:
+    return None
 
-    return current()
+
+# Set by horovod.core.context (a higher layer) at import: returns the current Context or None.
+context_lookup: Callable[[], Any] = _no_context
+
+
+def _current() -> Any:
+    return context_lookup()
 
 
 class ProcessSet:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horovod.common import log
+from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -58,6 +59,9 @@ def current() -> Context | None:
     if _spec.get() is not None:
         return _thread_ctx.get()
     return _process_ctx
+
+
+process_sets_module.context_lookup = current
 
 
 def require() -> Context:
