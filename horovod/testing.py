@@ -84,7 +84,8 @@ def run_ranks(
                 _context.init(**(init_kwargs or {}))
                 contexts[rank] = _context.current()
             results[rank] = fn(rank)
-            if init and _context.current() is not None and not _context.current().stopped:
+            ctx = _context.current()
+            if init and ctx is not None and not ctx.stopped:
                 _barrier_quietly()  # like upstream's tests: nobody shuts down under the others
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             failures[rank] = e

@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -126,9 +126,9 @@ class Entry:
         alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
     ) -> None:
         self.request = request
-        self.array = array
-        self.output = output
-        self.splits = splits
+        self.array: Any = array  # None only for barrier, join and process-set requests
+        self.output: Any = output
+        self.splits: list[int] = splits or []
         self.handle = handle
         self.index = index
         self.alloc = alloc or _np_alloc
@@ -490,11 +490,11 @@ class Engine:
                     e.handle._complete(e.index, error=resp.error)
             return
         if resp.op == PROCESS_SET_ADD:
-            ps_id, ranks = resp.extra  # type: ignore[misc]
-            self._register(ps_id, ranks)
-            result: Any = ps_id
+            new_id, ranks = cast(tuple[int, list[int]], resp.extra)
+            self._register(new_id, ranks)
+            result: Any = new_id
         else:
-            ps_id = resp.extra  # type: ignore[assignment]
+            ps_id = cast(int, resp.extra)
             self.sets.pop(ps_id, None)
             if self.coordinator is not None:
                 self.coordinator.forget_set(ps_id)
@@ -581,8 +581,23 @@ class _Coordinator:
                     if resp is None or ss is None:
                         self.resend.setdefault(peer, []).append((ps_id, cid))
                         continue
-                    sig = resp.request_for(ss.ranks.index(peer))
-                    req = Request(ps_id, resp.names[0], *sig[:8], group=resp.group, extra=sig[8])
+                    op, dtype, shape, reduce_op, root, pre, post, device, extra = resp.request_for(
+                        ss.ranks.index(peer)
+                    )
+                    req = Request(
+                        ps_id,
+                        resp.names[0],
+                        op,
+                        dtype,
+                        shape,
+                        reduce_op,
+                        root,
+                        pre,
+                        post,
+                        device,
+                        resp.group,
+                        extra,
+                    )
                     self.add(peer, req, cid)
                 else:
                     self.add(peer, Request.from_wire(item[1]), None)
@@ -603,9 +618,8 @@ class _Coordinator:
                 self.ready.append((0, "__join__"))
             return
         table = self.tables.setdefault(req.ps_id, {})
-        p = table.get(req.name)
-        if p is None:
-            p = table[req.name] = _Pending(self.e.clock())
+        p = table.get(req.name) or table.setdefault(req.name, _Pending(self.e.clock()))
+        if not p.reqs:
             self.partial += 1
         p.reqs[rank] = req
         p.cids[rank] = cid
@@ -896,7 +910,7 @@ def _validate(
     if op in (ALLGATHER, ALLTOALL, REDUCESCATTER) and len(q0.shape) == 0:
         return err(f"{what}: needs a tensor with at least one dimension, got a scalar")
     if op == PROCESS_SET_ADD:
-        ranks = tuple(q0.extra)  # type: ignore[arg-type]
+        ranks = tuple(cast(Sequence[int], q0.extra))
         for other in ss_all(coord):
             if tuple(other.ranks) == ranks:
                 return err(
@@ -910,7 +924,7 @@ def _validate(
             coord.next_ps_id += 1
         return Response(PROCESS_SET_ADD, 0, [name], extra=(new_id, list(ranks)))
     if op == PROCESS_SET_REMOVE:
-        ps_id = int(q0.extra)  # type: ignore[arg-type]
+        ps_id = cast(int, q0.extra)
         if ps_id == 0 or ps_id not in coord.e.sets:
             return err(f"remove_process_set: process set {ps_id} does not exist")
         coord.free_ids.append(ps_id)

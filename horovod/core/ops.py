@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -78,6 +78,12 @@ def _bytes(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint8)
 
 
+def _present(entries: Sequence[Entry | None]) -> list[Entry]:
+    """Entries of an op that joined ranks never take part in (the coordinator refuses it)."""
+    assert all(e is not None for e in entries)
+    return cast("list[Entry]", list(entries))
+
+
 def execute(
     resp: Response, entries: Sequence[Entry | None], t, buffers: Buffers, fusion_threshold: int
 ) -> list[object]:
@@ -87,13 +93,13 @@ def execute(
     if op == ALLREDUCE:
         return _allreduce(resp, entries, t, buffers)
     if op == ALLGATHER:
-        return _allgather(resp, entries, t, buffers)
+        return _allgather(resp, _present(entries), t, buffers)
     if op == BROADCAST:
-        return _broadcast(resp, entries, t)
+        return _broadcast(resp, _present(entries), t)
     if op == ALLTOALL:
-        return _alltoall(resp, entries, t)
+        return _alltoall(resp, _present(entries), t)
     if op == REDUCESCATTER:
-        return _reducescatter(resp, entries, t, buffers)
+        return _reducescatter(resp, _present(entries), t, buffers)
     if op == BARRIER:
         alg.barrier(t)
         return [None] * len(entries)
@@ -143,14 +149,13 @@ def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
     return results
 
 
-def _allgather(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers) -> list:
+def _allgather(resp: Response, entries: list[Entry], t, bufs: Buffers) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
     assert resp.dim0s is not None
     n, me = t.size, t.rank
     rows = [math.prod(s[1:]) for s in resp.shapes]  # elements per first-dim row
     outputs = []
-    for e, s, d0 in zip(entries, resp.shapes, resp.dim0s, strict=False):
-        assert e is not None
+    for e, s, d0 in zip(entries, resp.shapes, resp.dim0s, strict=True):
         outputs.append(e.alloc((sum(d0),) + tuple(s[1:]), dtype))
     if len(entries) == 1:
         e, out = entries[0], outputs[0]
@@ -182,18 +187,16 @@ def _allgather(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
     return outputs
 
 
-def _broadcast(resp: Response, entries: Sequence[Entry | None], t) -> list:
+def _broadcast(resp: Response, entries: list[Entry], t) -> list:
     e = entries[0]
-    assert e is not None
     if e.output is not e.array:
         np.copyto(e.output, e.array)
     alg.broadcast(t, _flat(e.output), resp.root)
     return [e.output]
 
 
-def _alltoall(resp: Response, entries: Sequence[Entry | None], t) -> list:
+def _alltoall(resp: Response, entries: list[Entry], t) -> list:
     e = entries[0]
-    assert e is not None
     dtype = DTYPE_OF_CODE[resp.dtype]
     shape = tuple(e.array.shape)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
@@ -213,7 +216,7 @@ def _alltoall(resp: Response, entries: Sequence[Entry | None], t) -> list:
     return [(out, np.asarray(received, dtype=np.int32))]
 
 
-def _reducescatter(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers) -> list:
+def _reducescatter(resp: Response, entries: list[Entry], t, bufs: Buffers) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
     n, me = t.size, t.rank
     post = resp.postscale / n if resp.reduce_op == AVERAGE else resp.postscale

@@ -100,12 +100,14 @@ def assign_slots(hosts: list[HostInfo], num_proc: int) -> list[SlotInfo]:
             if len(placed) == num_proc:
                 break
             placed.append((h.hostname, lr))
-    local_size = {h: sum(1 for x, _ in placed if x == h) for h, _ in placed}
-    order = list(dict.fromkeys(h for h, _ in placed))
+    local_size = {name: sum(1 for x, _ in placed if x == name) for name, _ in placed}
+    order = list(dict.fromkeys(name for name, _ in placed))
     slots = []
-    for rank, (h, lr) in enumerate(placed):
+    for rank, (name, lr) in enumerate(placed):
         with_lr = [x for x in order if local_size[x] > lr]
-        slots.append(SlotInfo(h, rank, lr, with_lr.index(h), num_proc, local_size[h], len(with_lr)))
+        slots.append(
+            SlotInfo(name, rank, lr, with_lr.index(name), num_proc, local_size[name], len(with_lr))
+        )
     return slots
 
 

@@ -320,8 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as e:
         return _error(str(e))
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
         server.stop()
     if report:
         print(report, file=sys.stderr)

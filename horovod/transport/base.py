@@ -29,7 +29,7 @@ Message = tuple[int, memoryview]
 
 def as_bytes(arr: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 class Transport(ABC):
