@@ -329,3 +329,12 @@ def test_compression_fp16_and_bf16():
         assert a.dtype == b.dtype == np.float32 and i.dtype == np.int64
         np.testing.assert_allclose(a, want, atol=2e-3)
         np.testing.assert_allclose(b, want, atol=2e-2)
+
+
+def test_large_group_submits_quickly_and_correctly():
+    def body(rank):
+        ts = [np.full(2, i, np.int32) for i in range(3000)]
+        out = hvd.grouped_allreduce(ts, op=hvd.Sum)
+        return all(int(o[0]) == 2 * i for i, o in enumerate(out))
+
+    assert run_ranks(body, 2) == [True, True]

@@ -185,3 +185,27 @@ def test_tcp_rejects_garbage_during_and_after_setup(server):
     finally:
         t0.close()
         t1.close()
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_control_decoder_rejects_arbitrary_bytes_cleanly(payload):
+    """Whatever bytes arrive, decoding either yields a tagged tuple of plain data or raises an
+    ordinary exception; it never executes code or loads classes."""
+    try:
+        msg = decode(payload)
+    except Exception:
+        return
+    assert isinstance(msg, tuple) and isinstance(msg[0], str)
+
+
+def test_control_decoder_refuses_code():
+    import pickle
+
+    evil = pickle.dumps(("Q", [os.system]))
+    with pytest.raises(pickle.UnpicklingError, match="refused global"):
+        decode(evil)

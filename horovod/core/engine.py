@@ -225,15 +225,17 @@ class Engine:
             if self.closed is not None:
                 raise HorovodInternalError(self.closed)
             keys = [e.key for e in entries]
-            for e, k in zip(entries, keys, strict=False):
-                if k in self.table or keys.count(k) > 1:
+            seen: set[tuple[int, str]] = set()
+            for e, k in zip(entries, keys, strict=True):
+                if k in self.table or k in seen:
                     raise ValueError(
                         DUPLICATE_NAME.format(
                             what=display_name(e.request.op, e.request.name).split(" ")[0],
                             name=e.request.name,
                         )
                     )
-            for e, k in zip(entries, keys, strict=False):
+                seen.add(k)
+            for e, k in zip(entries, keys, strict=True):
                 self.table[k] = e
         self.inbox.put(("sub", entries))
 
