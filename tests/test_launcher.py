@@ -70,18 +70,19 @@ def test_failure_of_one_rank_stops_all_and_reports_root_cause_last():
     assert "rank 1 exited after an uncaught KeyError: 'bad batch 42'" in r.stderr + r.stdout
 
 
-def test_killed_rank_is_named_by_every_other_rank():
+@pytest.mark.parametrize("victim", [2, 0], ids=["worker", "coordinator"])
+def test_killed_rank_is_named_by_every_other_rank(victim):
     r = run_script(
-        """
+        f"""
         import os, signal, time, numpy as np, horovod.numpy as hvd
         from horovod.common.exceptions import HorovodInternalError
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # survive horovodrun's stop to report
         hvd.init()
         try:
             for i in range(10000):
-                if hvd.rank() == 2 and i == 3:
+                if hvd.rank() == {victim} and i == 3:
                     os.kill(os.getpid(), signal.SIGKILL)
-                hvd.allreduce(np.ones(3), name=f"t{i % 2}")
+                hvd.allreduce(np.ones(3), name=f"t{{i % 2}}")
         except HorovodInternalError as e:
             print("ERROR", e, flush=True)
             raise SystemExit(1)
@@ -90,9 +91,11 @@ def test_killed_rank_is_named_by_every_other_rank():
         timeout=60,
     )
     assert r.returncode == 137
+    assert f"Root cause: rank {victim} on host" in r.stderr
     assert "killed by signal SIGKILL" in r.stderr
-    for rank in (0, 1):
-        assert f"[{rank}]<stdout>:ERROR rank 2 exited or lost its connection" in r.stdout
+    who = "rank 2 exited" if victim == 2 else "rank 0 (the coordinator) exited"
+    for rank in {0, 1, 2} - {victim}:
+        assert f"[{rank}]<stdout>:ERROR {who} or lost its connection" in r.stdout
 
 
 def test_exit_code_and_nonzero_exit_without_exception():
@@ -372,3 +375,38 @@ def test_verbose_describes_the_job():
     r = run_script("print('hi')\n", 2, launcher_args=["--verbose"])
     assert r.returncode == 0
     assert "horovodrun: 2 processes on localhost:2; rendezvous on 127.0.0.1:" in r.stderr
+
+
+def test_stress_every_collective_over_tcp_with_four_processes():
+    """Random sizes on both sides of the small/ring switch, every collective, checked against
+    formulas on every rank."""
+    r = run_script(
+        """
+        import sys, numpy as np, horovod.numpy as hvd
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        rng = np.random.default_rng(123)  # the same sizes on every rank
+        bad = 0
+        for it in range(40):
+            k = int(rng.integers(0, 300_000))
+            s = hvd.allreduce(np.full(k, r + 1, np.float32), op=hvd.Sum, name=f"s{it % 7}")
+            bad += not np.all(s == n * (n + 1) / 2)
+            g = hvd.allgather(np.full((r + (k % 3), 2), r, np.int64))
+            want = np.concatenate([np.full((q + (k % 3), 2), q) for q in range(n)])
+            bad += not np.array_equal(g, want)
+            b = hvd.broadcast(np.full(k % 1000 + 1, r, np.int32), root_rank=it % n)
+            bad += not np.all(b == it % n)
+            rows = k % 50 + 1
+            rs = hvd.reducescatter(np.ones((rows, 3)), op=hvd.Sum)
+            mine = rows // n + (1 if r < rows % n else 0)
+            bad += rs.shape != (mine, 3) or not np.all(rs == n)
+            out, got = hvd.alltoall(np.full(n * 2, r), splits=[2] * n)
+            bad += not np.array_equal(out, np.repeat(np.arange(n), 2))
+        print("bad", bad)
+        sys.exit(1 if bad else 0)
+    """,
+        4,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("bad 0") == 4
