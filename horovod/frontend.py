@@ -318,7 +318,8 @@ def _enqueue(
     hid = ctx.new_handle()
     names = _names(ctx, what, name, ps_id, n if grouped else None, n)
     group = _group_id(ctx, n if grouped else None)
-    handle = Handle(n, _callsite(), finish)
+    site = _callsite()
+    handle = Handle(n, site, finish)
     entries = [
         Entry(
             Request(
@@ -333,6 +334,7 @@ def _enqueue(
                 postscale,
                 device,
                 group,
+                site=site,
             ),
             t,
             o,
@@ -568,8 +570,9 @@ def submit_reducescatter(
 
 
 def _blocking(ctx: _context.Context, op: int, name: str, ps_id: int, extra: Any = None) -> Any:
-    handle = Handle(1, _callsite())
-    req = Request(ps_id, name, op, 0, (), SUM, -1, 1.0, 1.0, CPU_DEVICE, -1, extra)
+    site = _callsite()
+    handle = Handle(1, site)
+    req = Request(ps_id, name, op, 0, (), SUM, -1, 1.0, 1.0, CPU_DEVICE, -1, extra, site)
     ctx.engine.submit([Entry(req, None, None, handle)])
     return handle.wait()[0]
 
@@ -955,11 +958,7 @@ def join(device: int = -1) -> int:
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached the barrier."""
     ctx = _ctx()
-    ps_id = _resolve_set(ctx, process_set, "barrier")
-    handle = Handle(1, _callsite())
-    req = Request(ps_id, "barrier.noname", BARRIER, 0, (), SUM)
-    ctx.engine.submit([Entry(req, None, None, handle)])
-    handle.wait()
+    _blocking(ctx, BARRIER, "barrier.noname", _resolve_set(ctx, process_set, "barrier"))
 
 
 # --------------------------------------------------------------------------------- objects

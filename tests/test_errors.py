@@ -10,6 +10,14 @@ import horovod.numpy as hvd
 from horovod.common.exceptions import HorovodInternalError
 from horovod.testing import RankFailed, run_ranks
 
+AT = r" \(test_errors\.py:\d+ in \S+\)"  # the call site each rank's request carries
+
+
+def has(pattern, messages):
+    import re
+
+    return all(re.search(pattern, m) for m in messages)
+
 
 def errors_on_every_rank(body, size=3):
     """Run ``body``; return the HorovodInternalError text each rank got."""
@@ -29,7 +37,7 @@ def test_shape_mismatch_names_tensor_ranks_values():
     )
     for m in msgs:
         assert "allreduce 'fc1.weight'" in m
-        assert "shape (4, 2) on rank 0 but (4, 3) on rank 2" in m
+        assert has(rf"shape \(4, 2\) on rank 0{AT} but \(4, 3\) on rank 2{AT}", [m])
         assert "every rank must submit the same shape" in m
         assert "test_errors.py" in m  # where this rank submitted it
 
@@ -38,14 +46,14 @@ def test_dtype_mismatch():
     msgs = errors_on_every_rank(
         lambda r: hvd.allreduce(np.zeros(3, np.float32 if r else np.int32), name="t")
     )
-    assert all("dtype int32 on rank 0 but float32 on rank 1" in m for m in msgs)
+    assert has(f"dtype int32 on rank 0{AT} but float32 on rank 1{AT}", msgs)
 
 
 def test_op_mismatch():
     msgs = errors_on_every_rank(
         lambda r: hvd.allreduce(np.zeros(3), name="t", op=hvd.Sum if r != 1 else hvd.Max)
     )
-    assert all("reduce op Sum on rank 0 but Max on rank 1" in m for m in msgs)
+    assert has(f"reduce op Sum on rank 0{AT} but Max on rank 1{AT}", msgs)
 
 
 def test_collective_type_mismatch():
@@ -71,9 +79,10 @@ def test_scale_factor_mismatch():
     msgs = errors_on_every_rank(
         lambda r: hvd.allreduce(np.zeros(3), name="t", prescale_factor=2.0 if r == 2 else 1.0)
     )
-    assert all(
-        "(prescale_factor, postscale_factor) (1.0, 1.0) on rank 0 but (2.0, 1.0) on rank 2" in m
-        for m in msgs
+    assert has(
+        rf"\(prescale_factor, postscale_factor\) \(1.0, 1.0\) on rank 0{AT} but \(2.0, 1.0\) "
+        rf"on rank 2{AT}",
+        msgs,
     )
 
 
@@ -81,7 +90,7 @@ def test_broadcast_root_mismatch():
     msgs = errors_on_every_rank(
         lambda r: hvd.broadcast(np.zeros(3), root_rank=0 if r else 1, name="b")
     )
-    assert all("root_rank 1 on rank 0 but 0 on rank 1" in m for m in msgs)
+    assert has(f"root_rank 1 on rank 0{AT} but 0 on rank 1{AT}", msgs)
 
 
 def test_allgather_trailing_dim_mismatch():
@@ -90,7 +99,7 @@ def test_allgather_trailing_dim_mismatch():
     msgs = errors_on_every_rank(
         lambda r: hvd.allgather(np.zeros((2, 3) if r else (2, 3, 1)), name="g")
     )
-    assert all("number of dimensions 3 on rank 0 but 2 on rank 1" in m for m in msgs)
+    assert has(f"number of dimensions 3 on rank 0{AT} but 2 on rank 1{AT}", msgs)
 
 
 def test_reducescatter_and_alltoall_shape_mismatch():
@@ -322,13 +331,13 @@ def test_stall_is_reported_and_aborts_past_the_shutdown_limit(caplog):
 
     msg = messages[1]  # every rank gets the whole report
     assert re.search(
-        r"allreduce 'lonely': submitted by ranks \[0\], waiting [\d.]+ s for "
-        r"ranks \[1\]",
+        r"allreduce 'lonely': submitted by ranks \[0\] at test_errors.py:\d+ in body, "
+        r"waiting [\d.]+ s for ranks \[1\]",
         msg,
     )
     assert re.search(
-        r"barrier 'noname': submitted by ranks \[1\], waiting [\d.]+ s for "
-        r"ranks \[0\]",
+        r"barrier 'noname': submitted by ranks \[1\] at test_errors.py:\d+ in body, "
+        r"waiting [\d.]+ s for ranks \[0\]",
         msg,
     )
     assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=0.6 exceeded" in msg

@@ -786,11 +786,12 @@ class _Coordinator:
                     continue
                 over = self.stall_shutdown and waited >= self.stall_shutdown
                 fatal = fatal or bool(over)
-                op = next(iter(p.reqs.values())).op
+                first = next(iter(p.reqs.values()))
+                site = next((q.site for q in p.reqs.values() if q.site), "")
                 lines.append(
-                    f"  {display_name(op, name)}: submitted by ranks "
-                    f"{sorted(p.reqs)}, waiting {waited:.1f} s for ranks {missing}"
-                    f"{' (over the shutdown limit)' if over else ''}"
+                    f"  {display_name(first.op, name)}: submitted by ranks "
+                    f"{sorted(p.reqs)}{f' at {site}' if site else ''}, waiting {waited:.1f} s "
+                    f"for ranks {missing}{' (over the shutdown limit)' if over else ''}"
                 )
         if not lines:
             return
@@ -822,14 +823,18 @@ def _validate(
     def err(text: str) -> Response:
         return Response(ERROR, ss.id, [name], error=text)
 
+    def at(q: Request) -> str:
+        return f" ({q.site})" if q.site else ""
+
     def mismatch(field: str, a: object, r: int, b: object, fix: str) -> Response:
-        return err(f"{what}: {field} {a} on rank {r0} but {b} on rank {r}; {fix}")
+        q = p.reqs[r]
+        return err(f"{what}: {field} {a} on rank {r0}{at(q0)} but {b} on rank {r}{at(q)}; {fix}")
 
     for r, q in reqs[1:]:
         if q.op != q0.op:
             return err(
-                f"tensor '{name}': rank {r0} called {OP_NAMES.get(q0.op)} but rank {r} "
-                f"called {OP_NAMES.get(q.op)}; every rank must call the same collective "
+                f"tensor '{name}': rank {r0} called {OP_NAMES.get(q0.op)}{at(q0)} but rank {r} "
+                f"called {OP_NAMES.get(q.op)}{at(q)}; every rank must call the same collective "
                 "for the same name"
             )
     op = q0.op

@@ -70,6 +70,7 @@ class Request:
     device: int = CPU_DEVICE
     group: int = -1
     extra: object = None  # process-set operations: their argument
+    site: str = ""  # where the caller submitted it (file:line); not part of the signature
 
     def signature(self) -> tuple:
         return (
@@ -98,13 +99,15 @@ class Request:
             self.device,
             self.group,
             self.extra,
+            self.site,
         )
 
     @classmethod
     def from_wire(cls, w: tuple) -> Request:
-        ps_id, name, op, dtype, shape, reduce_op, root, pre, post, device, group, extra = w
+        ps_id, name, op, dtype, shape, reduce_op, root, pre, post, device, group, extra, site = w
         if not (
             isinstance(name, str)
+            and isinstance(site, str)
             and isinstance(shape, tuple)
             and all(isinstance(d, int) and d >= 0 for d in shape)
             and isinstance(pre, float)
@@ -126,6 +129,7 @@ class Request:
             int(device),
             int(group),
             extra,
+            site[:200],
         )
 
 
