@@ -1,0 +1,377 @@
+"""``hvd.DistributedOptimizer``: averages gradients over ranks, overlapping communication with
+the backward pass.
+
+Each parameter gets a post-accumulate-grad hook. The moment autograd has accumulated a
+parameter's gradient for the ``backward_passes_per_step``-th time, the hook submits an
+asynchronous in-place allreduce of it, so communication runs while the rest of backward is still
+computing. ``step()`` waits only for what is still in flight. Parameters whose gradient never
+appeared in a step (unused branches) are reduced as zeros, so no rank waits for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from horovod import frontend as F
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.torch.compression import Compression
+from horovod.torch.mpi_ops import (
+    Adasum,
+    Average,
+    allgather_async,
+    allreduce_async_,
+    grouped_allreduce_async_,
+    synchronize,
+)
+
+_ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+
+
+def split_list(items: list, n: int) -> list[list]:
+    """``n`` nearly even contiguous chunks (upstream's ``horovod.common.util.split_list``)."""
+    k, m = divmod(len(items), n)
+    return [items[i * k + min(i, m) : (i + 1) * k + min(i + 1, m)] for i in range(n)]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Any,
+        compression: Any,
+        backward_passes_per_step: int = 1,
+        op: int = Average,
+        gradient_predivide_factor: float = 1.0,
+        groups: Any = None,
+        sparse_as_dense: bool = False,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        self._compression = compression
+        self._op = op
+        self._predivide = gradient_predivide_factor
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(x, tuple) for x in named):
+                raise ValueError(
+                    "named_parameters should be a sequence of tuples (name, "
+                    "parameter), usually produced by model.named_parameters()."
+                )
+            names = [n for n, _ in named]
+            dups = sorted({n for n in names if names.count(n) > 1})
+            if dups:
+                raise ValueError(
+                    "Parameter names in named_parameters must be unique. Found "
+                    f"duplicates: {', '.join(dups)}"
+                )
+            known = {id(p) for _, p in named}
+            unnamed = [id(p) for p in all_params if id(p) not in known]
+            if unnamed:
+                raise ValueError(
+                    "named_parameters was specified, but one or more model "
+                    "parameters were not named. Python object ids: "
+                    f"{', '.join(map(str, unnamed))}"
+                )
+            self._names = {id(p): n for n, p in named}
+        else:
+            self._names = {
+                id(p): f"noname.{gi}.{pi}"
+                for gi, g in enumerate(self.param_groups)
+                for pi, p in enumerate(g["params"])
+            }
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay = {id(p): backward_passes_per_step for p in all_params}
+        self._handles: dict[int, tuple[Any, Any]] = {}  # id(p) -> (handle or None, ctx)
+        self._params = {id(p): p for p in all_params}
+        self._index = {id(p): i for i, p in enumerate(all_params)}
+        self._requires_update: set[int] = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hooks: list[Any] = []
+        # groups: id(p) -> group index; members in model order
+        self._group_of: dict[int, int] = {}
+        self._groups: list[list[int]] = []
+        self._group_ready: dict[int, set[int]] = {}
+        trainable = [p for p in all_params if p.requires_grad]
+        if isinstance(groups, int) and groups > 0:
+            chunks = [c for c in split_list(trainable, groups) if c]
+            self._groups = [[id(p) for p in c] for c in chunks]
+        elif groups is not None and not isinstance(groups, int):
+            seen: set[int] = set()
+            for g in groups:
+                ids = []
+                for p in g:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+                    ids.append(id(p))
+                self._groups.append(ids)
+        for gi, ids in enumerate(self._groups):
+            for pid in ids:
+                self._group_of[pid] = gi
+        import os
+
+        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # noqa: SIM112 - launcher contract
+        if process_set.included() and (F.size() > 1 or elastic):
+            self._register_hooks()
+
+    # ----------------------------------------------------------------- hooks
+    def _register_hooks(self) -> None:
+        for p in self._params.values():
+            if p.requires_grad:
+                self._requires_update.add(id(p))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+
+    def _make_hook(self) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            pid = id(p)
+            if pid in self._handles and self._handles[pid][0] is not None:
+                if self._delay[pid] <= 0:
+                    raise AssertionError(_TOO_MANY_PASSES)
+            self._delay[pid] -= 1
+            if self._delay[pid] < 0:
+                raise AssertionError(_TOO_MANY_PASSES)
+            entry: tuple[Any, Any] = (None, None)
+            if self._delay[pid] == 0:
+                gi = self._group_of.get(pid)
+                if gi is None:
+                    entry = self._allreduce_grad_async(p)
+                else:
+                    ready = self._group_ready.setdefault(gi, set())
+                    ready.add(pid)
+                    if len(ready) == len(self._groups[gi]):
+                        self._submit_group(gi)
+                        return
+            self._handles[pid] = entry
+
+        return hook
+
+    def _scales(self) -> tuple[float, float]:
+        if self._op == Average:
+            return 1.0 / self._predivide, self._predivide
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+        name = self._names.get(id(p))
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad
+        if grad.is_sparse:
+            if not self._sparse_as_dense:
+                return self._sparse_allgather_async(p, name), ("sparse", grad)
+            grad = grad.to_dense()
+            p.grad = grad
+        compressed, ctx = self._compression.compress(grad)
+        pre, post = self._scales()
+        handle = allreduce_async_(
+            compressed,
+            name=name,
+            op=self._op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self._process_set,
+        )
+        return handle, (ctx, compressed)
+
+    def _sparse_allgather_async(self, p: torch.Tensor, name: str | None) -> Any:
+        g = p.grad.coalesce()  # type: ignore[union-attr]
+        return (
+            allgather_async(
+                g.indices().t().contiguous(), name=f"{name}.indices", process_set=self._process_set
+            ),
+            allgather_async(
+                g.values().contiguous(), name=f"{name}.values", process_set=self._process_set
+            ),
+        )
+
+    def _submit_group(self, gi: int) -> None:
+        members = [self._params[pid] for pid in self._groups[gi]]
+        grads = []
+        ctxs = []
+        for p in members:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            compressed, ctx = self._compression.compress(p.grad)
+            grads.append(compressed)
+            ctxs.append((ctx, compressed))
+        pre, post = self._scales()
+        handle = grouped_allreduce_async_(
+            grads,
+            name=self._names.get(id(members[0])),
+            op=self._op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self._process_set,
+        )
+        for p, c in zip(members, ctxs, strict=True):
+            self._handles[id(p)] = (("group", gi, handle), c)
+        self._group_ready.pop(gi, None)
+
+    # ----------------------------------------------------------------- public
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for pid in self._delay:
+            self._delay[pid] = passes
+
+    def synchronize(self) -> None:
+        """Finish every gradient allreduce and write the averages into ``p.grad``."""
+        if not self._process_set.included():
+            self._synchronized = True
+            return
+        # Gradients that never arrived (unused parameters) and partially accumulated ones.
+        for pid in sorted(self._requires_update, key=self._index.__getitem__):
+            if pid in self._group_of:
+                continue
+            entry = self._handles.get(pid)
+            if entry is None or entry[0] is None:
+                self._handles[pid] = self._allreduce_grad_async(self._params[pid])
+        for gi in range(len(self._groups)):
+            if any(
+                self._handles.get(pid, (None,))[0] is None
+                for pid in self._groups[gi]
+                if pid in self._requires_update
+            ):
+                self._submit_group(gi)
+        done: dict[Any, Any] = {}
+        for pid, (handle, ctx) in list(self._handles.items()):
+            p = self._params[pid]
+            if isinstance(handle, tuple) and handle and handle[0] == "group":
+                key = ("group", handle[1])
+                if key not in done:
+                    done[key] = synchronize(handle[2])
+                self._write_grad(p, ctx)
+            elif isinstance(ctx, tuple) and ctx and ctx[0] == "sparse":
+                idx, vals = (synchronize(h) for h in handle)
+                n = (
+                    self._process_set.size()
+                    if self._process_set is not global_process_set
+                    else F.size()
+                )
+                if self._op == Average:
+                    vals = vals / n
+                p.grad = torch.sparse_coo_tensor(idx.t(), vals, p.grad.shape)  # type: ignore[union-attr]
+            else:
+                synchronize(handle)
+                self._write_grad(p, ctx)
+            self._delay[pid] = self.backward_passes_per_step
+        self._handles.clear()
+        self._synchronized = True
+
+    def _write_grad(self, p: torch.Tensor, ctx: Any) -> None:
+        cctx, compressed = ctx
+        if compressed is not p.grad:
+            p.grad.copy_(self._compression.decompress(compressed, cctx))  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` yourself
+        first, e.g. to clip or unscale gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                    "consider using optimizer.skip_synchronize() context if you use "
+                    "optimizer.synchronize() in your code.",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(h is not None for h, _ in self._handles.values()):
+            raise AssertionError(_ZERO_GRAD_RACE)
+        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
+        self._handles.clear()
+        self._group_ready.clear()
+        self._synchronized = False
+        for pid in self._delay:
+            self._delay[pid] = self.backward_passes_per_step
+
+
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,  # noqa: N802 - upstream's name
+    named_parameters: Any = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Returns an object of a subclass of the optimizer's own class (same class name), built over
+    the same parameter groups.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if op == Adasum:
+        raise NotImplementedError(
+            "op=Adasum is not available in this pyhorovod build yet; use hvd.Average or hvd.Sum"
+        )
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if groups is not None and not (
+        (isinstance(groups, int) and groups > 0)
+        or (
+            isinstance(groups, Sequence)
+            and not isinstance(groups, str)
+            and all(isinstance(g, Sequence) for g in groups)
+        )
+    ):
+        raise ValueError(
+            "groups should be a non-negative integer or a list of list of torch.Tensor."
+        )
+    cls = type(
+        optimizer.__class__.__name__, (optimizer.__class__,), dict(_DistributedOptimizer.__dict__)
+    )
+    return cls(
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )

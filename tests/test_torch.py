@@ -1,0 +1,528 @@
+"""horovod.torch: collectives, autograd, broadcast of state, DistributedOptimizer."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import horovod.torch as hvd  # noqa: E402
+from horovod.testing import run_ranks  # noqa: E402
+
+SIZES = [1, 2, 3]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
+
+
+@pytest.fixture(params=SIZES, ids=lambda n: f"np{n}")
+def size(request):
+    return request.param
+
+
+def data(rank, n=17, dtype=torch.float32):
+    return (torch.arange(n) % 7 + rank + 1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_allreduce_sum_every_dtype(size, dtype):
+    def body(rank):
+        t = data(rank, dtype=dtype)
+        out = hvd.allreduce(t, op=hvd.Sum, name="x")
+        assert out.dtype == dtype and torch.equal(t, data(rank, dtype=dtype))
+        return out
+
+    want = sum(data(r, dtype=torch.float64) for r in range(size))
+    for out in run_ranks(body, size):
+        assert torch.equal(out.double(), want)
+
+
+def test_allreduce_variants_and_average(size):
+    def body(rank):
+        t = data(rank)
+        avg = hvd.allreduce(t)  # default op: Average
+        inplace = data(rank)
+        res = hvd.allreduce_(inplace, op=hvd.Max)
+        assert res is inplace
+        h = hvd.allreduce_async(data(rank), op=hvd.Min, name="min")
+        h2 = hvd.allreduce_async_(z := data(rank), op=hvd.Product, name="prod")
+        out_min = hvd.synchronize(h)
+        assert hvd.synchronize(h2) is z
+        scaled = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+        return avg, inplace, out_min, z, scaled
+
+    parts = [data(r, dtype=torch.float64) for r in range(size)]
+    for avg, mx, mn, prod, scaled in run_ranks(body, size):
+        torch.testing.assert_close(avg.double(), sum(parts) / size)
+        assert torch.equal(mx.double(), torch.stack(parts).max(0).values)
+        assert torch.equal(mn.double(), torch.stack(parts).min(0).values)
+        torch.testing.assert_close(prod.double(), torch.stack(parts).prod(0))
+        torch.testing.assert_close(scaled.double(), sum(parts))
+
+
+def test_grouped_allreduce_forms(size):
+    def body(rank):
+        ts = [data(rank, 3), data(rank, 5, torch.float64)]
+        out = hvd.grouped_allreduce(ts, op=hvd.Sum, name="g")
+        inplace = [t.clone() for t in ts]
+        res = hvd.grouped_allreduce_(inplace, op=hvd.Sum)
+        assert all(a is b for a, b in zip(res, inplace, strict=True))
+        h = hvd.grouped_allreduce_async(ts, op=hvd.Sum)
+        h2 = hvd.grouped_allreduce_async_([t.clone() for t in ts], op=hvd.Sum)
+        return out, inplace, hvd.synchronize(h), hvd.synchronize(h2)
+
+    want = [
+        sum(data(r, 3) for r in range(size)),
+        sum(data(r, 5, torch.float64) for r in range(size)),
+    ]
+    for result in run_ranks(body, size):
+        for outs in result:
+            for o, w in zip(outs, want, strict=True):
+                assert torch.equal(o, w.to(o.dtype))
+
+
+def test_allgather_broadcast_alltoall_reducescatter(size):
+    def body(rank):
+        g = hvd.allgather(torch.full((rank + 1, 2), rank, dtype=torch.int32))
+        gg = hvd.grouped_allgather([torch.full((1,), rank), torch.full((2,), rank)])
+        b = hvd.broadcast(torch.full((3,), rank), root_rank=size - 1)
+        b_ = torch.full((3,), rank)
+        hvd.broadcast_(b_, root_rank=0)
+        a2a, rec = hvd.alltoall(torch.arange(size) + 10 * rank, splits=[1] * size)
+        a2a_plain = hvd.alltoall(torch.arange(size) + 10 * rank)
+        rs = hvd.reducescatter(torch.ones(size * 2, 3), op=hvd.Sum)
+        grs = hvd.grouped_reducescatter([torch.ones(size, 1), torch.ones(size * 3)], op=hvd.Sum)
+        return g, gg, b, b_, a2a, rec, a2a_plain, rs, grs
+
+    for rank, (g, gg, b, b_, a2a, rec, a2a_plain, rs, grs) in enumerate(run_ranks(body, size)):
+        assert g.shape == (sum(r + 1 for r in range(size)), 2) and g.dtype == torch.int32
+        assert g[:, 0].tolist() == [r for r in range(size) for _ in range(r + 1)]
+        assert gg[0].tolist() == list(range(size)) and gg[1].shape == (2 * size,)
+        assert b.tolist() == [size - 1] * 3 and b_.tolist() == [0] * 3
+        assert a2a.tolist() == [rank + 10 * s for s in range(size)]
+        assert rec.dtype == torch.int32 and rec.tolist() == [1] * size
+        assert torch.equal(a2a_plain, a2a)
+        assert torch.equal(rs, torch.full((2, 3), float(size)))
+        assert torch.equal(grs[0], torch.full((1, 1), float(size)))
+        assert torch.equal(grs[1], torch.full((3,), float(size)))
+
+
+def test_bool_and_objects_and_join():
+    def body(rank):
+        mx = hvd.allreduce(torch.tensor([rank == 0, False]), op=hvd.Max)
+        obj = hvd.broadcast_object({"r": rank}, root_rank=1)
+        objs = hvd.allgather_object(rank * 2)
+        if rank == 0:
+            last = hvd.join()
+            return mx.tolist(), obj, objs, last, None
+        s = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after_join")
+        return mx.tolist(), obj, objs, hvd.join(), s.tolist()
+
+    res = run_ranks(body, 3)
+    assert all(r[0] == [True, False] and r[1] == {"r": 1} and r[2] == [0, 2, 4] for r in res)
+    assert len({r[3] for r in res}) == 1
+    assert res[1][4] == [2.0, 2.0]  # the joined rank contributed zeros
+
+
+def test_autograd_through_collectives():
+    def body(rank):
+        w = torch.full((4,), float(rank + 1), requires_grad=True)
+        hvd.allreduce(w, op=hvd.Sum).sum().backward()
+        g_ar = w.grad.clone()
+        w.grad = None
+        hvd.allgather(w.reshape(2, 2)).sum().backward()  # sum of all ranks' grads, my rows
+        g_ag = w.grad.clone()
+        w.grad = None
+        (hvd.broadcast(w, root_rank=0) * 3).sum().backward()
+        g_bc = w.grad.clone()
+        w.grad = None
+        out, _ = hvd.alltoall(w, splits=[2, 2])
+        (out * torch.arange(4.0)).sum().backward()
+        g_a2a = w.grad.clone()
+        w.grad = None
+        hvd.reducescatter(w, op=hvd.Sum).sum().backward()
+        return g_ar, g_ag, g_bc, g_a2a, w.grad
+
+    (ar0, ag0, bc0, a2a0, rs0), (ar1, ag1, bc1, a2a1, rs1) = run_ranks(body, 2)
+    assert ar0.tolist() == [2.0] * 4 and ar1.tolist() == [2.0] * 4
+    assert ag0.tolist() == [2.0] * 4 and ag1.tolist() == [2.0] * 4
+    assert bc0.tolist() == [3.0] * 4 and bc1.tolist() == [0.0] * 4
+    # rank r received rows [2r, 2r+1] from each sender; gradient flows back by the same route
+    assert a2a0.tolist() == [0.0, 1.0, 0.0, 1.0] and a2a1.tolist() == [2.0, 3.0, 2.0, 3.0]
+    assert rs0.tolist() == [2.0] * 4 and rs1.tolist() == [2.0] * 4
+
+
+def test_errors_at_the_call():
+    def body(rank):
+        with pytest.raises(ValueError, match="contiguous"):
+            hvd.allreduce(torch.ones(4, 4).t())
+        with pytest.raises(ValueError, match="is not supported"):
+            hvd.allreduce(torch.ones(2, dtype=torch.complex64))
+        with pytest.raises(TypeError, match="expected a torch.Tensor"):
+            hvd.allreduce_async([1, 2])
+        h = hvd.allreduce_async(torch.ones(1), name="dup")
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.allreduce_async(torch.ones(1), name="dup")
+        hvd.synchronize(h)
+        with pytest.raises(ValueError, match="32-bit integer"):
+            hvd.alltoall(torch.ones(2), splits=torch.tensor([1, 1], dtype=torch.int64))
+        with pytest.raises(
+            hvd.HorovodInternalError, match=r"shape \(2\) on rank 0 .* \(3\) on rank 1"
+        ):
+            hvd.allreduce(torch.ones(2 + rank), name="mismatch")
+
+    run_ranks(body, 2)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def batch(seed, n=12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def reference_step(opt_factory, size, steps=3, passes=1):
+    """Single process on the concatenation of every rank's batch."""
+    model = make_model()
+    opt = opt_factory(model.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        for p_ in range(passes):
+            xs, ys = zip(*(batch(100 * step + 10 * r + p_) for r in range(size)), strict=True)
+            loss = torch.nn.functional.cross_entropy(model(torch.cat(xs)), torch.cat(ys))
+            loss.backward()
+        opt.step()
+    return model
+
+
+def distributed_step(opt_factory, size, steps=3, passes=1, **kw):
+    def body(rank):
+        model = make_model(seed=rank)  # different init: the broadcast must fix it
+        opt = opt_factory(model.parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes, **kw
+        )
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        for step in range(steps):
+            opt.zero_grad()
+            for p_ in range(passes):
+                x, y = batch(100 * step + 10 * rank + p_)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return model
+
+    return run_ranks(body, size)
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+def test_distributed_optimizer_matches_single_process_reference(size, opt):
+    ref = reference_step(OPTIMIZERS[opt], size)
+    for model in distributed_step(OPTIMIZERS[opt], size):
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_replicas_are_bit_identical_after_training():
+    models = distributed_step(OPTIMIZERS["adam"], 3)
+    for m in models[1:]:
+        for a, b in zip(m.parameters(), models[0].parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"groups": 2},
+        {"groups": None, "compression": hvd.Compression.fp16},
+        {"gradient_predivide_factor": 2.0},
+    ],
+    ids=["groups", "fp16", "predivide"],
+)
+def test_optimizer_arguments_keep_results(kw):
+    ref = reference_step(OPTIMIZERS["sgd"], 2)
+    tol = {"rtol": 2e-3, "atol": 2e-3} if "compression" in kw else {"rtol": 1e-5, "atol": 1e-6}
+    for model in distributed_step(OPTIMIZERS["sgd"], 2, **kw):
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, **tol)
+
+
+def test_backward_passes_per_step_accumulates():
+    ref = reference_step(OPTIMIZERS["sgd"], 2, passes=2)
+    # the reference sums the loss gradients of 2 passes; so does the local accumulation
+    for model in distributed_step(OPTIMIZERS["sgd"], 2, passes=2):
+        for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_op_sum_and_explicit_groups():
+    def body(rank):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            named_parameters=model.named_parameters(),
+            op=hvd.Sum,
+            groups=[[model[0].weight, model[0].bias]],
+        )
+        before = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.grad = None
+        x, y = batch(rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.synchronize()
+        summed = [p.grad.clone() for p in model.parameters()]
+        with opt.skip_synchronize():
+            opt.step()
+        return before, grads, summed
+
+    (_, g0, s0), (_, g1, s1) = run_ranks(body, 2)
+    for a, b, s in zip(g0, g1, s0, strict=True):
+        torch.testing.assert_close(a + b, s)
+
+
+def test_unused_parameters_do_not_hang():
+    def body(rank):
+        model = make_model()
+        extra = torch.nn.Linear(6, 3)  # used on rank 1 only
+        params = list(model.named_parameters()) + [
+            ("extra." + n, p) for n, p in extra.named_parameters()
+        ]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params
+        )
+        x, y = batch(rank)
+        out = model(x) + (extra(x) if rank == 1 else 0)
+        torch.nn.functional.cross_entropy(out, y).backward()
+        opt.step()
+        return extra.weight.grad.abs().sum().item()
+
+    g0, g1 = run_ranks(body, 2, timeout=30)
+    assert g0 == pytest.approx(g1) and g0 > 0  # rank 0 contributed zeros, got the average
+
+
+def test_zero_grad_race_and_too_many_passes_and_warning():
+    def body(rank):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        x, y = batch(rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(AssertionError, match="zero_grad\\(\\) was called after"):
+            opt.zero_grad()
+        with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()  # after synchronize() without skip_synchronize(): upstream's warning
+        return any("skip_synchronize" in str(w.message) for w in caught)
+
+    assert run_ranks(body, 2) == [True, True]
+
+
+def test_gradient_clipping_flow():
+    def body(rank):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        x, y = batch(rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item()
+        with opt.skip_synchronize():
+            opt.step()
+        return norm, [p.detach().clone() for p in model.parameters()]
+
+    (n0, p0), (n1, p1) = run_ranks(body, 2)
+    assert n0 == pytest.approx(0.01, rel=1e-4) and n1 == pytest.approx(0.01, rel=1e-4)
+    for a, b in zip(p0, p1, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_argument_errors():
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="gradient_predivide_factor not supported"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="groups should be"):
+        hvd.DistributedOptimizer(sgd, groups="two")
+
+    def body(rank):
+        with pytest.raises(ValueError, match="sequence of tuples"):
+            hvd.DistributedOptimizer(sgd, named_parameters=list(model.parameters()))
+        named = list(model.named_parameters())
+        with pytest.raises(ValueError, match="must be unique"):
+            hvd.DistributedOptimizer(sgd, named_parameters=[("a", p) for _, p in named])
+        with pytest.raises(ValueError, match="were not named"):
+            hvd.DistributedOptimizer(sgd, named_parameters=named[:1])
+        with pytest.raises(ValueError, match="once in groups"):
+            hvd.DistributedOptimizer(sgd, groups=[[named[0][1]], [named[0][1]]])
+        with pytest.warns(DeprecationWarning, match="num_groups"):
+            hvd.DistributedOptimizer(sgd, num_groups=1)
+
+    run_ranks(body, 1)
+
+
+@pytest.mark.parametrize(
+    "name, factory",
+    [
+        ("SGD", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("Adam", lambda p: torch.optim.Adam(p, lr=0.01)),
+        ("AdamW", lambda p: torch.optim.AdamW(p, lr=0.01)),
+        ("Adagrad", lambda p: torch.optim.Adagrad(p, lr=0.01)),
+        ("Adadelta", lambda p: torch.optim.Adadelta(p)),
+        ("Adamax", lambda p: torch.optim.Adamax(p)),
+        ("ASGD", lambda p: torch.optim.ASGD(p)),
+        ("NAdam", lambda p: torch.optim.NAdam(p)),
+        ("RAdam", lambda p: torch.optim.RAdam(p)),
+        ("RMSprop", lambda p: torch.optim.RMSprop(p, momentum=0.5)),
+        ("Rprop", lambda p: torch.optim.Rprop(p)),
+    ],
+)
+def test_broadcast_optimizer_state_every_optimizer(name, factory):
+    def body(rank):
+        model = make_model()
+        opt = factory(model.parameters())
+        for g in opt.param_groups:
+            g["lr"] = 0.001 * (rank + 1)  # scalar option differs per rank
+        if rank == 0:  # rank 0 has real state; others none
+            x, y = batch(0)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        return opt.state_dict()
+
+    s0, s1 = run_ranks(body, 2)
+    assert s0["param_groups"][0]["lr"] == s1["param_groups"][0]["lr"] == 0.001
+    for pid, st in s0["state"].items():
+        for k, v in st.items():
+            other = s1["state"][pid][k]
+            if torch.is_tensor(v):
+                assert torch.equal(v, other), (name, k)
+            else:
+                assert v == other, (name, k)
+
+
+def test_broadcast_optimizer_state_refuses_lbfgs():
+    model = make_model()
+    with pytest.raises(ValueError, match="LBFGS"):
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
+
+
+def test_broadcast_parameters_forms():
+    def body(rank):
+        model = make_model(seed=rank)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=1)
+        m2 = make_model(seed=10 + rank)
+        hvd.broadcast_parameters(list(m2.named_parameters()), root_rank=0)
+        t = torch.full((2,), float(rank))
+        hvd.broadcast_parameters([t], root_rank=1)
+        with pytest.raises(ValueError, match="invalid params"):
+            hvd.broadcast_parameters(3, 0)
+        return (
+            [p.detach().clone() for p in model.parameters()],
+            [p.detach().clone() for p in m2.parameters()],
+            t,
+        )
+
+    (a0, b0, t0), (a1, b1, t1) = run_ranks(body, 2)
+    ref1, ref0 = make_model(seed=1), make_model(seed=10)
+    for x, y, r in zip(a0, a1, ref1.parameters(), strict=True):
+        assert torch.equal(x, y) and torch.equal(x, r)
+    for x, y, r in zip(b0, b1, ref0.parameters(), strict=True):
+        assert torch.equal(x, y) and torch.equal(x, r)
+    assert t0.tolist() == t1.tolist() == [1.0, 1.0]
+
+
+def test_cpu_tensors_are_not_copied():
+    def body(rank):
+        t = torch.ones(1000)
+        view = hvd.mpi_ops.to_numpy(t)
+        assert view.ctypes.data == t.data_ptr()
+        b = torch.ones(4, dtype=torch.bfloat16)
+        assert hvd.mpi_ops.to_numpy(b).ctypes.data == b.data_ptr()
+        hvd.allreduce_(t, op=hvd.Sum)
+        return t[0].item()
+
+    assert run_ranks(body, 2) == [2.0, 2.0]
+
+
+def test_single_rank_optimizer_is_plain():
+    """At size 1 the wrapped optimizer behaves exactly like the original."""
+
+    def body(rank):
+        m1, m2 = make_model(), make_model()
+        o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+        o2 = hvd.DistributedOptimizer(
+            torch.optim.SGD(m2.parameters(), lr=0.1), named_parameters=m2.named_parameters()
+        )
+        for m, o in ((m1, o1), (m2, o2)):
+            x, y = batch(0)
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        return all(torch.equal(a, b) for a, b in zip(m1.parameters(), m2.parameters(), strict=True))
+
+    assert run_ranks(body, 1) == [True]
+
+
+@pytest.mark.e2e
+def test_upstream_style_script_runs_unchanged_under_horovodrun():
+    from conftest import run_script
+
+    r = run_script(
+        """
+        import torch
+        import horovod.torch as hvd
+
+        hvd.init()
+        torch.manual_seed(hvd.rank())                 # different init on purpose
+        model = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+        optimizer = hvd.DistributedOptimizer(optimizer,
+                                             named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        g = torch.Generator().manual_seed(1000 + hvd.rank())
+        for step in range(20):
+            x = torch.randn(32, 10, generator=g)
+            y = (x.sum(1) > 0).long()
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+        avg = hvd.allreduce(loss.detach(), name="avg_loss")
+        digest = hvd.allgather(torch.cat([p.detach().flatten() for p in model.parameters()])
+                               .sum().reshape(1))
+        if hvd.rank() == 0:
+            print("identical", bool((digest == digest[0]).all()), "loss", round(avg.item(), 3))
+    """,
+        2,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0]<stdout>:identical True loss" in r.stdout
