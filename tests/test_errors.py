@@ -110,10 +110,16 @@ def test_reducescatter_and_alltoall_shape_mismatch():
 
 
 def test_duplicate_name_in_flight_is_value_error_at_call():
+    checked = threading.Event()
+
     def body(rank):
+        if rank == 1:
+            checked.wait(10)  # rank 0's "dup" cannot complete before it has been checked
         h = hvd.allreduce_async(np.zeros(3), name="dup")
-        with pytest.raises(ValueError, match="already in flight.*'allreduce.dup'"):
-            hvd.allreduce_async(np.zeros(3), name="dup")
+        if rank == 0:
+            with pytest.raises(ValueError, match="already in flight.*'allreduce.dup'"):
+                hvd.allreduce_async(np.zeros(3), name="dup")
+            checked.set()
         hvd.synchronize(h)
         hvd.synchronize(hvd.allreduce_async(np.zeros(3), name="dup"))  # free again
 

@@ -161,6 +161,10 @@ def test_autograd_through_collectives():
 
 
 def test_errors_at_the_call():
+    import threading
+
+    checked = threading.Event()
+
     def body(rank):
         with pytest.raises(ValueError, match="contiguous"):
             hvd.allreduce(torch.ones(4, 4).t())
@@ -168,9 +172,13 @@ def test_errors_at_the_call():
             hvd.allreduce(torch.ones(2, dtype=torch.complex64))
         with pytest.raises(TypeError, match="expected a torch.Tensor"):
             hvd.allreduce_async([1, 2])
+        if rank == 1:
+            checked.wait(10)  # rank 0's "dup" cannot complete before it has been checked
         h = hvd.allreduce_async(torch.ones(1), name="dup")
-        with pytest.raises(ValueError, match="already in flight"):
-            hvd.allreduce_async(torch.ones(1), name="dup")
+        if rank == 0:
+            with pytest.raises(ValueError, match="already in flight"):
+                hvd.allreduce_async(torch.ones(1), name="dup")
+            checked.set()
         hvd.synchronize(h)
         with pytest.raises(ValueError, match="32-bit integer"):
             hvd.alltoall(torch.ones(2), splits=torch.tensor([1, 1], dtype=torch.int64))
@@ -183,8 +191,13 @@ def test_errors_at_the_call():
 
 
 def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    """Initialised from a local generator: rank threads share torch's global RNG."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
 
 
 def batch(seed, n=12):
@@ -285,8 +298,11 @@ def test_op_sum_and_explicit_groups():
         for p in model.parameters():
             p.grad = None
         x, y = batch(rank)
+        twin = make_model()  # no hooks: its gradients are this rank's local ones
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        grads = [p.grad.clone() for p in twin.parameters()]
+        # (p.grad of the wrapped model is being reduced in place from backward on)
         torch.nn.functional.cross_entropy(model(x), y).backward()
-        grads = [p.grad.clone() for p in model.parameters()]
         opt.synchronize()
         summed = [p.grad.clone() for p in model.parameters()]
         with opt.skip_synchronize():

@@ -126,9 +126,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for gi, ids in enumerate(self._groups):
             for pid in ids:
                 self._group_of[pid] = gi
-        import os
+        from horovod.core.context import require
 
-        elastic = os.environ.get("HOROVOD_ELASTIC") == "1"  # noqa: SIM112 - launcher contract
+        elastic = require().config.elastic  # hooks even at size 1: the job may grow
         if process_set.included() and (F.size() > 1 or elastic):
             self._register_hooks()
 
