@@ -542,3 +542,45 @@ def test_upstream_style_script_runs_unchanged_under_horovodrun():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:identical True loss" in r.stdout
+
+
+@pytest.mark.e2e
+def test_digits_example_trains_checkpoints_and_resumes(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ckpt = tmp_path / "ckpt.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "horovod.runner.launch",
+        "-np",
+        "2",
+        sys.executable,
+        str(REPO / "examples" / "pytorch_digits.py"),
+        "--checkpoint",
+        str(ckpt),
+    ]
+    r = subprocess.run(
+        cmd + ["--epochs", "4", "--min-accuracy", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0]<stdout>:epoch 4:" in r.stdout and "[1]<stdout>:epoch" not in r.stdout
+    assert ckpt.exists()
+    r = subprocess.run(
+        cmd + ["--epochs", "1", "--resume", "--min-accuracy", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0]<stdout>:epoch 5:" in r.stdout  # continued where the checkpoint ended
