@@ -584,3 +584,84 @@ def test_digits_example_trains_checkpoints_and_resumes(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:epoch 5:" in r.stdout  # continued where the checkpoint ended
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (4, 3, 5), (2, 3, 4, 4)])
+def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(shape):
+    """Forward output, running statistics and gradients (input, weight, bias) of SyncBatchNorm
+    on per-rank shards equal plain BatchNorm on the concatenated batch."""
+    size = 3
+
+    def shard(r):
+        g = torch.Generator().manual_seed(r)
+        return torch.randn(shape, generator=g) * (r + 1) + r
+
+    full = torch.cat([shard(r) for r in range(size)]).requires_grad_(True)
+    bn = torch.nn.BatchNorm1d(3) if len(shape) < 4 else torch.nn.BatchNorm2d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+        bn.bias.copy_(torch.tensor([0.0, -1.0, 1.0]))
+    ref = bn(full)
+    (ref * torch.arange(ref.numel()).reshape(ref.shape).float()).sum().backward()
+    n = shape[0]
+
+    def body(rank):
+        sbn = hvd.SyncBatchNorm(3)
+        with torch.no_grad():
+            sbn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+            sbn.bias.copy_(torch.tensor([0.0, -1.0, 1.0]))
+        x = shard(rank).requires_grad_(True)
+        out = sbn(x)
+        weights = torch.arange(ref.numel()).reshape(ref.shape).float()[rank * n:(rank + 1) * n]
+        (out * weights).sum().backward()
+        return out.detach(), x.grad, sbn.weight.grad, sbn.bias.grad, sbn.running_mean, \
+            sbn.running_var
+
+    res = run_ranks(body, size)
+    torch.testing.assert_close(torch.cat([r[0] for r in res]), ref.detach(), rtol=1e-4,
+                               atol=1e-5)
+    torch.testing.assert_close(torch.cat([r[1] for r in res]), full.grad, rtol=1e-4, atol=1e-4)
+    # each rank's weight gradient covers its own shard; their sum is the full gradient
+    torch.testing.assert_close(sum(r[2] for r in res), bn.weight.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sum(r[3] for r in res), bn.bias.grad, rtol=1e-4, atol=1e-4)
+    for r in res:
+        torch.testing.assert_close(r[4], bn.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r[5], bn.running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_sync_batch_norm_eval_and_errors():
+    def body(rank):
+        sbn = hvd.SyncBatchNorm(2).eval()
+        out = sbn(torch.ones(3, 2))
+        with pytest.raises(ValueError, match="at least 2D"):
+            sbn(torch.ones(3))
+        return out
+
+    for out in run_ranks(body, 2):
+        torch.testing.assert_close(out, torch.ones(3, 2) / (1 + 1e-5) ** 0.5)
+
+
+def test_elastic_sampler_shards_and_resumes():
+    from horovod.torch.elastic import ElasticSampler
+
+    data = list(range(10))
+
+    def body(rank):
+        s = ElasticSampler(data, shuffle=False)
+        first = list(s)
+        s.record_batch(0, 2)                      # 2 samples on each of 2 ranks are done
+        state = s.state_dict()
+        s2 = ElasticSampler(data, shuffle=False)
+        s2.load_state_dict(state)
+        rest = list(s2)
+        s2.set_epoch(1)
+        shuffled = ElasticSampler(data, seed=5)
+        shuffled.set_epoch(3)
+        return first, state, rest, len(s2), list(shuffled)
+
+    (f0, st, r0, l0, sh0), (f1, _, r1, _, sh1) = run_ranks(body, 2)
+    assert f0 == [0, 2, 4, 6, 8] and f1 == [1, 3, 5, 7, 9]
+    assert st == {"epoch": 0, "processed_num": 4}
+    assert r0 == [4, 6, 8] and r1 == [5, 7, 9]
+    assert l0 == 5
+    assert sorted(sh0 + sh1) == data and sh0 != [0, 2, 4, 6, 8]

@@ -72,7 +72,9 @@ from horovod.torch.mpi_ops import (
     reducescatter_async,
     synchronize,
 )
+from horovod.torch import elastic
 from horovod.torch.optimizer import DistributedOptimizer
+from horovod.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "Compression",
@@ -139,5 +141,5 @@ __all__ = [
     "Product",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
-    "DistributedOptimizer",
+    "DistributedOptimizer", "SyncBatchNorm", "elastic",
 ]

@@ -1,0 +1,6 @@
+"""``horovod.torch.elastic``. This version provides ``ElasticSampler`` (usable without
+elastic mode); ``run`` and ``TorchState`` arrive with elastic training."""
+
+from horovod.torch.elastic.sampler import ElasticSampler
+
+__all__ = ["ElasticSampler"]
