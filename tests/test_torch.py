@@ -612,14 +612,19 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch(shape):
             sbn.bias.copy_(torch.tensor([0.0, -1.0, 1.0]))
         x = shard(rank).requires_grad_(True)
         out = sbn(x)
-        weights = torch.arange(ref.numel()).reshape(ref.shape).float()[rank * n:(rank + 1) * n]
+        weights = torch.arange(ref.numel()).reshape(ref.shape).float()[rank * n : (rank + 1) * n]
         (out * weights).sum().backward()
-        return out.detach(), x.grad, sbn.weight.grad, sbn.bias.grad, sbn.running_mean, \
-            sbn.running_var
+        return (
+            out.detach(),
+            x.grad,
+            sbn.weight.grad,
+            sbn.bias.grad,
+            sbn.running_mean,
+            sbn.running_var,
+        )
 
     res = run_ranks(body, size)
-    torch.testing.assert_close(torch.cat([r[0] for r in res]), ref.detach(), rtol=1e-4,
-                               atol=1e-5)
+    torch.testing.assert_close(torch.cat([r[0] for r in res]), ref.detach(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.cat([r[1] for r in res]), full.grad, rtol=1e-4, atol=1e-4)
     # each rank's weight gradient covers its own shard; their sum is the full gradient
     torch.testing.assert_close(sum(r[2] for r in res), bn.weight.grad, rtol=1e-4, atol=1e-4)
@@ -649,7 +654,7 @@ def test_elastic_sampler_shards_and_resumes():
     def body(rank):
         s = ElasticSampler(data, shuffle=False)
         first = list(s)
-        s.record_batch(0, 2)                      # 2 samples on each of 2 ranks are done
+        s.record_batch(0, 2)  # 2 samples on each of 2 ranks are done
         state = s.state_dict()
         s2 = ElasticSampler(data, shuffle=False)
         s2.load_state_dict(state)
@@ -665,3 +670,33 @@ def test_elastic_sampler_shards_and_resumes():
     assert r0 == [4, 6, 8] and r1 == [5, 7, 9]
     assert l0 == 5
     assert sorted(sh0 + sh1) == data and sh0 != [0, 2, 4, 6, 8]
+
+
+def test_amp_grad_scaler_flow():
+    """torch.amp on CPU: scale, synchronize, unscale, clip, step inside skip_synchronize."""
+
+    def body(rank):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        for step in range(3):
+            x, y = batch(10 * step + rank)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+    (p0, s0), (p1, s1) = run_ranks(body, 2)
+    assert s0 == s1
+    for a, b in zip(p0, p1, strict=True):
+        assert torch.equal(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(p0, make_model().parameters(), strict=True))
