@@ -700,3 +700,27 @@ def test_amp_grad_scaler_flow():
     for a, b in zip(p0, p1, strict=True):
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(p0, make_model().parameters(), strict=True))
+
+
+@pytest.mark.e2e
+def test_training_benchmark_and_synthetic_example_run():
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "horovod.benchmarks.training", "--models",
+                        "convnet", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                        "--batch-size", "4"], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "| convnet |" in r.stdout and "x |" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "horovod.runner.launch", "-np", "2",
+                        sys.executable, str(REPO / "examples" / "pytorch_synthetic_benchmark.py"),
+                        "--model", "mlp200", "--num-warmup-batches", "1",
+                        "--num-batches-per-iter", "2", "--num-iters", "2", "--fp16-allreduce"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[0]<stdout>:Total img/sec on 2 CPU(s):" in r.stdout

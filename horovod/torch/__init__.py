@@ -31,6 +31,7 @@ from horovod.frontend import (
     start_timeline,
     stop_timeline,
 )
+from horovod.torch import elastic
 from horovod.torch.compression import Compression
 from horovod.torch.functions import (
     allgather_object,
@@ -72,7 +73,6 @@ from horovod.torch.mpi_ops import (
     reducescatter_async,
     synchronize,
 )
-from horovod.torch import elastic
 from horovod.torch.optimizer import DistributedOptimizer
 from horovod.torch.sync_batch_norm import SyncBatchNorm
 

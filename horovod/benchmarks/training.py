@@ -1,0 +1,156 @@
+"""Training benchmark: horovod.torch vs PyTorch DDP (Gloo), same model and data, 1 and 2 ranks.
+
+    python -m horovod.benchmarks.training                      # convnet and mlp200
+    python -m horovod.benchmarks.training --models resnet_small --steps 40
+
+Every rank is one process with one thread (``torch.set_num_threads(1)``), training on a fixed
+synthetic batch. Printed per model: samples/s (all ranks together) of a plain single process,
+of horovod.torch and of DDP at 1 and 2 ranks, the scaling efficiency of each (throughput at 2
+ranks / (2 x its throughput at 1 rank), and against the plain single process), and the
+horovod/DDP ratio at 2 ranks (> 1 means horovod.torch trains faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def _train(model, optimizer, steps: int, warmup: int, batch: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (batch,), generator=g)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return time.perf_counter() - t0
+
+
+def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out: str) -> None:
+    import torch
+
+    from horovod.benchmarks.models import MODELS
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    if kind == "plain":
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        seconds, size, rank = _train(model, opt, steps, warmup, batch), 1, 0
+    elif kind == "horovod":
+        import horovod.torch as hvd
+
+        hvd.init()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        seconds = _train(model, opt, steps, warmup, batch)
+        size, rank = hvd.size(), hvd.rank()
+        seconds = float(hvd.allreduce(torch.tensor(seconds), op=hvd.Max, name="time"))
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        size, rank = dist.get_world_size(), dist.get_rank()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01 * size, momentum=0.9)
+        seconds = _train(ddp, opt, steps, warmup, batch)
+        t = torch.tensor(seconds)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        seconds = float(t)
+        dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"samples_per_s": size * batch * steps / seconds}, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    me = [sys.executable, "-m", "horovod.benchmarks.training", "--worker", kind, "--models",
+          model, "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch),
+          "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if kind == "plain":
+        cmd = me
+    elif kind == "horovod":
+        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_)] + me
+    else:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={np_}",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}"] + me[1:]
+    for attempt in range(2):  # one retry: torchrun's port can be taken between pick and bind
+        r = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+        if r.returncode == 0:
+            break
+        if attempt == 1:
+            raise RuntimeError(f"{kind} at {np_} ranks failed:\n{r.stderr[-3000:]}")
+        if kind == "ddp":
+            cmd = [c if not c.startswith("--master-port=") else f"--master-port={_free_port()}"
+                   for c in cmd]
+    with open(out) as f:
+        value = json.load(f)["samples_per_s"]
+    os.unlink(out)
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="convnet,mlp200")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=32, help="per rank")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept)")
+    ap.add_argument("--worker", choices=["plain", "horovod", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        worker(a.worker, a.models, a.steps, a.warmup, a.batch_size, a.out)
+        return 0
+    print(f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
+          f"{a.steps} timed steps, best of {a.repeats}; samples/s of all ranks together\n")
+    print("| model | plain 1 proc | horovod 1 | horovod 2 | DDP 1 | DDP 2 | horovod eff. "
+          "(vs 1 rank / vs plain) | DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in a.models.split(","):
+        r = {}
+        for kind, np_ in (("plain", 1), ("horovod", 1), ("horovod", 2), ("ddp", 1), ("ddp", 2)):
+            r[(kind, np_)] = max(run(kind, np_, model, a.steps, a.warmup, a.batch_size)
+                                 for _ in range(a.repeats))
+        plain = r[("plain", 1)]
+
+        def eff(kind: str) -> str:
+            return (f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / "
+                    f"{r[(kind, 2)] / (2 * plain):.0%}")
+
+        print(f"| {model} | {plain:.0f} | {r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | "
+              f"{r[('ddp', 1)]:.0f} | {r[('ddp', 2)]:.0f} | {eff('horovod')} | {eff('ddp')} | "
+              f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
