@@ -312,11 +312,16 @@ def _enqueue(
     splits: list[int] | None = None,
     alloc: Alloc | None = None,
     finish: Callable[[list], Any] | None = None,
+    core_names: Sequence[str] | None = None,
 ) -> int:
-    """Name, describe and submit one op (one entry per tensor); returns its handle id."""
+    """Name, describe and submit one op (one entry per tensor); returns its handle id.
+    ``core_names``: explicit names for independent (ungrouped) ops submitted together."""
     n = len(tensors)
     hid = ctx.new_handle()
-    names = _names(ctx, what, name, ps_id, n if grouped else None, n)
+    if core_names is not None:
+        names = list(core_names)
+    else:
+        names = _names(ctx, what, name, ps_id, n if grouped else None, n)
     group = _group_id(ctx, n if grouped else None)
     site = _callsite()
     handle = Handle(n, site, finish)
@@ -400,6 +405,42 @@ def submit_allreduce(
         postscale=post,
         device=device,
         finish=finish,
+    )
+
+
+def submit_allreduce_batch(
+    tensors: Sequence[np.ndarray],
+    names: Sequence[str],
+    *,
+    op: int,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    device: int = CPU_DEVICE,
+    finish: Callable[[list], Any] | None = None,
+) -> int:
+    """Several independent in-place allreduces (``allreduce.<name>`` each, not a group)
+    submitted in one call: one message to the coordinator instead of one per tensor. Ranks may
+    batch the same names differently."""
+    ctx = _ctx()
+    ps_id = _resolve_set(ctx, process_set, "allreduce")
+    if len(names) != len(tensors) or len(set(names)) != len(names):
+        raise ValueError("allreduce batch: give one distinct name per tensor")
+    return _enqueue(
+        ctx,
+        "allreduce",
+        ALLREDUCE,
+        ps_id,
+        tensors,
+        tensors,
+        name=None,
+        grouped=False,
+        reduce_op=op,
+        prescale=float(prescale_factor),
+        postscale=float(postscale_factor),
+        device=device,
+        finish=finish,
+        core_names=[f"allreduce.{n}" for n in names],
     )
 
 

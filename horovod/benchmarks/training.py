@@ -52,14 +52,14 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
     torch.manual_seed(0)
     model = MODELS[model_name]()
     if kind == "plain":
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         seconds, size, rank = _train(model, opt, steps, warmup, batch), 1, 0
     elif kind == "horovod":
         import horovod.torch as hvd
 
         hvd.init()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
-        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        base = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         seconds = _train(model, opt, steps, warmup, batch)
         size, rank = hvd.size(), hvd.rank()
@@ -89,9 +89,23 @@ def _free_port() -> int:
 
 def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    me = [sys.executable, "-m", "horovod.benchmarks.training", "--worker", kind, "--models",
-          model, "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(batch),
-          "--out", out]
+    me = [
+        sys.executable,
+        "-m",
+        "horovod.benchmarks.training",
+        "--worker",
+        kind,
+        "--models",
+        model,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--batch-size",
+        str(batch),
+        "--out",
+        out,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if kind == "plain":
         cmd = me
@@ -99,18 +113,27 @@ def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) ->
         cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_)] + me
     else:
         env["GLOO_SOCKET_IFNAME"] = "lo"
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={np_}",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}"] + me[1:]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={np_}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+        ] + me[1:]
     for attempt in range(2):  # one retry: torchrun's port can be taken between pick and bind
-        r = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                           text=True)
+        r = subprocess.run(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
         if r.returncode == 0:
             break
         if attempt == 1:
             raise RuntimeError(f"{kind} at {np_} ranks failed:\n{r.stderr[-3000:]}")
         if kind == "ddp":
-            cmd = [c if not c.startswith("--master-port=") else f"--master-port={_free_port()}"
-                   for c in cmd]
+            cmd = [
+                c if not c.startswith("--master-port=") else f"--master-port={_free_port()}"
+                for c in cmd
+            ]
     with open(out) as f:
         value = json.load(f)["samples_per_s"]
     os.unlink(out)
@@ -130,25 +153,32 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a.worker, a.models, a.steps, a.warmup, a.batch_size, a.out)
         return 0
-    print(f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
-          f"{a.steps} timed steps, best of {a.repeats}; samples/s of all ranks together\n")
-    print("| model | plain 1 proc | horovod 1 | horovod 2 | DDP 1 | DDP 2 | horovod eff. "
-          "(vs 1 rank / vs plain) | DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |")
+    print(
+        f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
+        f"{a.steps} timed steps, best of {a.repeats}; samples/s of all ranks together\n"
+    )
+    print(
+        "| model | plain 1 proc | horovod 1 | horovod 2 | DDP 1 | DDP 2 | horovod eff. "
+        "(vs 1 rank / vs plain) | DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for model in a.models.split(","):
         r = {}
         for kind, np_ in (("plain", 1), ("horovod", 1), ("horovod", 2), ("ddp", 1), ("ddp", 2)):
-            r[(kind, np_)] = max(run(kind, np_, model, a.steps, a.warmup, a.batch_size)
-                                 for _ in range(a.repeats))
+            r[(kind, np_)] = max(
+                run(kind, np_, model, a.steps, a.warmup, a.batch_size) for _ in range(a.repeats)
+            )
         plain = r[("plain", 1)]
 
         def eff(kind: str) -> str:
-            return (f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / "
-                    f"{r[(kind, 2)] / (2 * plain):.0%}")
+            return f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / {r[(kind, 2)] / (2 * plain):.0%}"
 
-        print(f"| {model} | {plain:.0f} | {r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | "
-              f"{r[('ddp', 1)]:.0f} | {r[('ddp', 2)]:.0f} | {eff('horovod')} | {eff('ddp')} | "
-              f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |", flush=True)
+        print(
+            f"| {model} | {plain:.0f} | {r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | "
+            f"{r[('ddp', 1)]:.0f} | {r[('ddp', 2)]:.0f} | {eff('horovod')} | {eff('ddp')} | "
+            f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |",
+            flush=True,
+        )
     return 0
 
 

@@ -141,5 +141,7 @@ __all__ = [
     "Product",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
-    "DistributedOptimizer", "SyncBatchNorm", "elastic",
+    "DistributedOptimizer",
+    "SyncBatchNorm",
+    "elastic",
 ]

@@ -187,6 +187,35 @@ def allreduce_async_(
     )
 
 
+def allreduce_batch_async_(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str],
+    op: int,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """In-place allreduces of several tensors, each under its own name, in one submission
+    (used by DistributedOptimizer to amortise per-tensor overhead)."""
+    arrays = [to_numpy(_check(t, "allreduce_")) for t in tensors]
+
+    def finish(results: list) -> list[torch.Tensor]:
+        for t, a in zip(tensors, arrays, strict=True):
+            _write_back(t, a)
+        return list(tensors)
+
+    return F.submit_allreduce_batch(
+        arrays,
+        names,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+        device=_device(tensors[0]) if tensors else -1,
+        finish=finish,
+    )
+
+
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,

@@ -18,9 +18,15 @@ from horovod.torch.mpi_ops import Sum, allreduce
 
 
 class SyncBatchNorm(_BatchNorm):
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True,
-                 process_set: ProcessSet = global_process_set) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
@@ -45,11 +51,16 @@ class SyncBatchNorm(_BatchNorm):
                 factor = 1.0 / float(self.num_batches_tracked)
         if not self.training or self._set_size() == 1:
             use_batch = self.training or not self.track_running_stats
-            return F.batch_norm(input, self.running_mean if not use_batch or
-                                self.track_running_stats else None,
-                                self.running_var if not use_batch or
-                                self.track_running_stats else None,
-                                self.weight, self.bias, use_batch, factor, self.eps)
+            return F.batch_norm(
+                input,
+                self.running_mean if not use_batch or self.track_running_stats else None,
+                self.running_var if not use_batch or self.track_running_stats else None,
+                self.weight,
+                self.bias,
+                use_batch,
+                factor,
+                self.eps,
+            )
         c = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
         x = input.double()
@@ -58,8 +69,9 @@ class SyncBatchNorm(_BatchNorm):
         stats = allreduce(stats, op=Sum, process_set=self.process_set)
         n = stats[-1]
         mean = stats[:c] / n
-        var = stats[c:2 * c] / n - mean * mean
+        var = stats[c : 2 * c] / n - mean * mean
         if self.track_running_stats:
+            assert self.running_mean is not None and self.running_var is not None
             with torch.no_grad():
                 unbiased = var * (n / (n - 1)) if n > 1 else var
                 self.running_mean.mul_(1 - factor).add_(factor * mean.to(self.running_mean))

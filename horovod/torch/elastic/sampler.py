@@ -51,11 +51,11 @@ class ElasticSampler(torch.utils.data.Sampler):
         indices = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(indices)
-        remaining = indices[self.processed_num:]
+        remaining = indices[self.processed_num :]
         self.num_samples = math.ceil(len(remaining) / self.num_replicas) if remaining else 0
         total = self.num_samples * self.num_replicas
-        padded = remaining + remaining[:total - len(remaining)]
-        self.indices = padded[self.rank:total:self.num_replicas]
+        padded = remaining + remaining[: total - len(remaining)]
+        self.indices = padded[self.rank : total : self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
