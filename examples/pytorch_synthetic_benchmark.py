@@ -22,10 +22,16 @@ from horovod.benchmarks.models import MODELS
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="PyTorch Synthetic Benchmark",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--fp16-allreduce", action="store_true", default=False,
-                    help="use fp16 compression during allreduce")
+    ap = argparse.ArgumentParser(
+        description="PyTorch Synthetic Benchmark",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument(
+        "--fp16-allreduce",
+        action="store_true",
+        default=False,
+        help="use fp16 compression during allreduce",
+    )
     ap.add_argument("--model", type=str, default="resnet_small", choices=sorted(MODELS))
     ap.add_argument("--batch-size", type=int, default=32, help="input batch size")
     ap.add_argument("--num-warmup-batches", type=int, default=10)
@@ -47,9 +53,12 @@ def main() -> None:
     lr_scaler = 1 if args.use_adasum else hvd.size()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression,
-                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -84,8 +93,10 @@ def main() -> None:
     img_sec_mean = np.mean(img_secs)
     img_sec_conf = 1.96 * np.std(img_secs)
     log(f"Img/sec per {device}: {img_sec_mean:.1f} +-{img_sec_conf:.1f}")
-    log(f"Total img/sec on {hvd.size()} {device}(s): {hvd.size() * img_sec_mean:.1f} "
-        f"+-{hvd.size() * img_sec_conf:.1f}")
+    log(
+        f"Total img/sec on {hvd.size()} {device}(s): {hvd.size() * img_sec_mean:.1f} "
+        f"+-{hvd.size() * img_sec_conf:.1f}"
+    )
 
 
 if __name__ == "__main__":

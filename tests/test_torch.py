@@ -769,3 +769,106 @@ def test_gradient_batches_may_differ_between_ranks():
     for model in distributed_step(OPTIMIZERS["sgd"], 3, flush_count=lambda r: r + 1):
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["allgather", "as_dense"])
+def test_sparse_gradients(sparse_as_dense):
+    """nn.Embedding(sparse=True): both sparse paths give the averaged dense gradient."""
+
+    def body(rank):
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(torch.arange(30.0).reshape(10, 3))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(emb.parameters(), lr=1.0),
+            named_parameters=emb.named_parameters(),
+            sparse_as_dense=sparse_as_dense,
+        )
+        idx = torch.tensor([rank, rank + 1, 7])
+        emb(idx).sum().backward()
+        opt.synchronize()
+        grad = opt.param_groups[0]["params"][0].grad
+        with opt.skip_synchronize():
+            opt.step()
+        return grad.to_dense(), emb.weight.detach().clone()
+
+    (g0, w0), (g1, w1) = run_ranks(body, 2)
+    want = torch.zeros(10, 3)
+    for rank in range(2):
+        for i in (rank, rank + 1, 7):
+            want[i] += 0.5  # average of the two ranks' sparse gradients
+    torch.testing.assert_close(g0, want)
+    torch.testing.assert_close(g1, want)
+    assert torch.equal(w0, w1)
+
+
+def test_sparse_allreduce_async_sum():
+    def body(rank):
+        t = torch.sparse_coo_tensor(
+            torch.tensor([[rank]]), torch.tensor([1.0 + rank]), (3,), check_invariants=True
+        )
+        return hvd.sparse_allreduce_async(t, name="sp", op=hvd.Sum)().to_dense()
+
+    for out in run_ranks(body, 2):
+        assert out.tolist() == [1.0, 2.0, 0.0]
+
+
+def test_optimizer_on_a_process_set():
+    def body(rank):
+        ps = hvd.ProcessSet([0, 2])
+        hvd.shutdown()
+        hvd.init(process_sets=[ps])
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0),
+            named_parameters=model.named_parameters(),
+            op=hvd.Sum,
+            process_set=ps,
+        )
+        x, y = batch(rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        twin = make_model()
+        torch.nn.functional.cross_entropy(twin(x), y).backward()
+        opt.synchronize()
+        return [p.grad.clone() for p in model.parameters()], [p.grad for p in twin.parameters()]
+
+    res = run_ranks(body, 3)
+    for i in range(4):
+        summed = res[0][1][i] + res[2][1][i]
+        torch.testing.assert_close(res[0][0][i], summed)
+        torch.testing.assert_close(res[2][0][i], summed)
+        torch.testing.assert_close(res[1][0][i], res[1][1][i])  # rank 1 is not in the set
+
+
+def test_set_backward_passes_per_step_and_load_state_dict():
+    def body(rank):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        opt.set_backward_passes_per_step(2)
+        x, y = batch(rank)
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        state = opt.state_dict()
+        opt.load_state_dict(state)
+        opt.zero_grad()  # no pending allreduces after load_state_dict
+        return [p.detach().clone() for p in model.parameters()]
+
+    p0, p1 = run_ranks(body, 2)
+    for a, b in zip(p0, p1, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_go_through_host_memory():
+    def body(rank):
+        t = torch.full((4,), float(rank + 1), device="cuda")
+        out = hvd.allreduce(t, op=hvd.Sum)
+        hvd.allreduce_(t, op=hvd.Sum)
+        g = hvd.allgather(torch.full((1,), float(rank), device="cuda"))
+        return out.device.type, out.cpu().tolist(), t.cpu().tolist(), g.cpu().tolist()
+
+    for dev, out, inplace, g in run_ranks(body, 2):
+        assert dev == "cuda" and out == [3.0] * 4 and inplace == [3.0] * 4 and g == [0.0, 1.0]

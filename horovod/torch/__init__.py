@@ -71,6 +71,7 @@ from horovod.torch.mpi_ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
 from horovod.torch.optimizer import DistributedOptimizer
@@ -102,6 +103,7 @@ __all__ = [
     "alltoall_async",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
     "join",

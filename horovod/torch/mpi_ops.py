@@ -732,6 +732,29 @@ def grouped_reducescatter(
     return [compression.decompress(o, p[1]) for o, p in zip(outs, packed, strict=True)]
 
 
+# ------------------------------------------------------------------------------ sparse
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
+) -> Any:
+    """Allreduce of a sparse COO tensor by allgathering its indices and values; returns a
+    callable that waits and returns the (uncoalesced) sum, divided by the set size for Average."""
+    t = tensor.coalesce()
+    h_idx = allgather_async(
+        t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set
+    )
+    h_val = allgather_async(t.values().contiguous(), name=f"{name}.values", process_set=process_set)
+
+    def handle() -> torch.Tensor:
+        indices = synchronize(h_idx)
+        values = synchronize(h_val)
+        if op == Average:
+            n = process_set.size() if process_set is not global_process_set else F.size()
+            values = values / n
+        return torch.sparse_coo_tensor(indices.t(), values, t.shape, check_invariants=True)
+
+    return handle
+
+
 # ------------------------------------------------------------------------------ misc
 def join(device: int = -1) -> int:
     return F.join(device)

@@ -23,10 +23,10 @@ from horovod.torch.compression import Compression
 from horovod.torch.mpi_ops import (
     Adasum,
     Average,
-    allgather_async,
     allreduce_async_,
     allreduce_batch_async_,
     grouped_allreduce_async_,
+    sparse_allreduce_async,
     synchronize,
 )
 
@@ -221,7 +221,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         grad = p.grad
         if grad.is_sparse:
             if not self._sparse_as_dense:
-                return self._sparse_allgather_async(p, name), ("sparse", grad)
+                handle = sparse_allreduce_async(grad, f"sparse.{name}", self._op, self._process_set)
+                return handle, ("sparse", grad)
             grad = grad.to_dense()
             p.grad = grad
         compressed, ctx = self._compression.compress(grad)
@@ -235,17 +236,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             process_set=self._process_set,
         )
         return handle, (ctx, compressed)
-
-    def _sparse_allgather_async(self, p: torch.Tensor, name: str | None) -> Any:
-        g = p.grad.coalesce()  # type: ignore[union-attr]
-        return (
-            allgather_async(
-                g.indices().t().contiguous(), name=f"{name}.indices", process_set=self._process_set
-            ),
-            allgather_async(
-                g.values().contiguous(), name=f"{name}.values", process_set=self._process_set
-            ),
-        )
 
     def _submit_group(self, gi: int) -> None:
         members = [self._params[pid] for pid in self._groups[gi]]
@@ -305,15 +295,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     done[key] = synchronize(handle[-1])
                 self._write_grad(p, ctx)
             elif isinstance(ctx, tuple) and ctx and ctx[0] == "sparse":
-                idx, vals = (synchronize(h) for h in handle)
-                n = (
-                    self._process_set.size()
-                    if self._process_set is not global_process_set
-                    else F.size()
-                )
-                if self._op == Average:
-                    vals = vals / n
-                p.grad = torch.sparse_coo_tensor(idx.t(), vals, p.grad.shape)  # type: ignore[union-attr]
+                p.grad = handle()
             else:
                 synchronize(handle)
                 self._write_grad(p, ctx)
