@@ -416,6 +416,11 @@ def test_optimizer_argument_errors():
         ("RAdam", lambda p: torch.optim.RAdam(p)),
         ("RMSprop", lambda p: torch.optim.RMSprop(p, momentum=0.5)),
         ("Rprop", lambda p: torch.optim.Rprop(p)),
+        pytest.param(
+            "Adafactor",
+            lambda p: torch.optim.Adafactor(p),
+            marks=pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"), reason="torch < 2.5"),
+        ),
     ],
 )
 def test_broadcast_optimizer_state_every_optimizer(name, factory):
@@ -872,3 +877,41 @@ def test_cuda_tensors_go_through_host_memory():
 
     for dev, out, inplace, g in run_ranks(body, 2):
         assert dev == "cuda" and out == [3.0] * 4 and inplace == [3.0] * 4 and g == [0.0, 1.0]
+
+
+def test_broadcast_optimizer_state_sparse_adam():
+    def body(rank):
+        emb = torch.nn.Embedding(6, 2, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(torch.ones(6, 2))
+        opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.01 * (rank + 1))
+        if rank == 0:
+            emb(torch.tensor([1, 3])).sum().backward()
+            opt.step()
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        return opt.state_dict()
+
+    s0, s1 = run_ranks(body, 2)
+    assert s0["param_groups"][0]["lr"] == s1["param_groups"][0]["lr"] == 0.01
+    for k, v in s0["state"][0].items():
+        other = s1["state"][0][k]
+        assert torch.equal(v, other) if torch.is_tensor(v) else v == other
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no Muon")
+def test_broadcast_optimizer_state_muon():
+    """Muon takes 2-D parameters only."""
+
+    def body(rank):
+        w = torch.nn.Parameter(torch.ones(4, 3))
+        opt = torch.optim.Muon([w], lr=0.01 * (rank + 1))
+        if rank == 0:
+            (w * torch.arange(12.0).reshape(4, 3)).sum().backward()
+            opt.step()
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        return opt.state_dict()
+
+    s0, s1 = run_ranks(body, 2)
+    assert s0["param_groups"][0]["lr"] == s1["param_groups"][0]["lr"] == 0.01
+    for k, v in s0["state"][0].items():
+        assert torch.equal(v, s1["state"][0][k]) if torch.is_tensor(v) else v == s1["state"][0][k]
