@@ -915,3 +915,61 @@ def test_broadcast_optimizer_state_muon():
     assert s0["param_groups"][0]["lr"] == s1["param_groups"][0]["lr"] == 0.01
     for k, v in s0["state"][0].items():
         assert torch.equal(v, s1["state"][0][k]) if torch.is_tensor(v) else v == s1["state"][0][k]
+
+
+UPSTREAM_EXPORTS = (
+    "elastic Compression allgather_object broadcast_object broadcast_optimizer_state "
+    "broadcast_parameters allreduce allreduce_async allreduce_ allreduce_async_ "
+    "grouped_allreduce grouped_allreduce_async grouped_allreduce_ grouped_allreduce_async_ "
+    "sparse_allreduce_async allgather allgather_async grouped_allgather "
+    "grouped_allgather_async broadcast broadcast_async broadcast_ broadcast_async_ alltoall "
+    "alltoall_async reducescatter reducescatter_async grouped_reducescatter "
+    "grouped_reducescatter_async join barrier poll synchronize init shutdown is_initialized "
+    "start_timeline stop_timeline size local_size cross_size rank local_rank cross_rank "
+    "mpi_threads_supported mpi_enabled mpi_built gloo_enabled gloo_built nccl_built ddl_built "
+    "ccl_built cuda_built rocm_built ProcessSet global_process_set add_process_set "
+    "remove_process_set Average Sum Adasum Min Max Product HorovodInternalError "
+    "DistributedOptimizer SyncBatchNorm"
+).split()
+
+
+def test_every_upstream_export_exists():
+    missing = [n for n in UPSTREAM_EXPORTS if not hasattr(hvd, n)]
+    assert missing == []
+
+
+def test_every_async_form_and_poll(size):
+    def body(rank):
+        t = torch.full((size * 2, 2), float(rank + 1))
+        handles = {
+            "allreduce": hvd.allreduce_async(t, op=hvd.Sum),
+            "allreduce_": hvd.allreduce_async_(t.clone(), op=hvd.Sum),
+            "grouped": hvd.grouped_allreduce_async([t, t * 2], op=hvd.Sum),
+            "allgather": hvd.allgather_async(t[:1]),
+            "grouped_allgather": hvd.grouped_allgather_async([t[:1], t[:2]]),
+            "broadcast": hvd.broadcast_async(t, root_rank=0),
+            "broadcast_": hvd.broadcast_async_(t.clone(), root_rank=size - 1),
+            "alltoall": hvd.alltoall_async(t),
+            "reducescatter": hvd.reducescatter_async(t, op=hvd.Sum),
+            "grouped_reducescatter": hvd.grouped_reducescatter_async([t], op=hvd.Sum),
+        }
+        for h in handles.values():
+            assert isinstance(hvd.poll(h), bool)
+        out = {k: hvd.synchronize(h) for k, h in handles.items()}
+        hvd.barrier()
+        return out
+
+    total = float(sum(range(1, size + 1)))
+    for out in run_ranks(body, size):
+        assert torch.equal(out["allreduce"], torch.full((size * 2, 2), total))
+        assert torch.equal(out["allreduce_"], torch.full((size * 2, 2), total))
+        assert torch.equal(out["grouped"][1], torch.full((size * 2, 2), 2 * total))
+        assert out["allgather"][:, 0].tolist() == [float(r + 1) for r in range(size)]
+        assert out["grouped_allgather"][1].shape == (2 * size, 2)
+        assert torch.equal(out["broadcast"], torch.full((size * 2, 2), 1.0))
+        assert torch.equal(out["broadcast_"], torch.full((size * 2, 2), float(size)))
+        assert out["alltoall"][:, 0].tolist() == [
+            float(r + 1) for r in range(size) for _ in range(2)
+        ]
+        assert torch.equal(out["reducescatter"], torch.full((2, 2), total))
+        assert torch.equal(out["grouped_reducescatter"][0], torch.full((2, 2), total))
