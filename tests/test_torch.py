@@ -138,7 +138,9 @@ def test_autograd_through_collectives():
         hvd.allreduce(w, op=hvd.Sum).sum().backward()
         g_ar = w.grad.clone()
         w.grad = None
-        hvd.allgather(w.reshape(2, 2)).sum().backward()  # sum of all ranks' grads, my rows
+        hvd.allgather(
+            w.reshape(2, 2)
+        ).sum().backward()  # upstream: average of the ranks' grads, my rows
         g_ag = w.grad.clone()
         w.grad = None
         (hvd.broadcast(w, root_rank=0) * 3).sum().backward()
@@ -153,7 +155,7 @@ def test_autograd_through_collectives():
 
     (ar0, ag0, bc0, a2a0, rs0), (ar1, ag1, bc1, a2a1, rs1) = run_ranks(body, 2)
     assert ar0.tolist() == [2.0] * 4 and ar1.tolist() == [2.0] * 4
-    assert ag0.tolist() == [2.0] * 4 and ag1.tolist() == [2.0] * 4
+    assert ag0.tolist() == [1.0] * 4 and ag1.tolist() == [1.0] * 4
     assert bc0.tolist() == [3.0] * 4 and bc1.tolist() == [0.0] * 4
     # rank r received rows [2r, 2r+1] from each sender; gradient flows back by the same route
     assert a2a0.tolist() == [0.0, 1.0, 0.0, 1.0] and a2a1.tolist() == [2.0, 3.0, 2.0, 3.0]
@@ -973,3 +975,19 @@ def test_every_async_form_and_poll(size):
         ]
         assert torch.equal(out["reducescatter"], torch.full((2, 2), total))
         assert torch.equal(out["grouped_reducescatter"][0], torch.full((2, 2), total))
+
+
+def test_grouped_allgather_and_reducescatter_are_differentiable():
+    def body(rank):
+        a = torch.full((rank + 1, 2), 1.0, requires_grad=True)
+        b = torch.full((2,), 1.0, requires_grad=True)
+        ga, gb = hvd.grouped_allgather([a, b])
+        (ga.sum() * 3 + gb.sum()).backward()
+        x = torch.ones(4, requires_grad=True)
+        (rs,) = hvd.grouped_reducescatter([x], op=hvd.Sum)
+        (rs * 5).sum().backward()
+        return a.grad, b.grad, x.grad
+
+    for ag, bg, xg in run_ranks(body, 2):
+        assert torch.equal(ag, torch.full_like(ag, 3.0)) and bg.tolist() == [1.0, 1.0]
+        assert xg.tolist() == [10.0] * 4  # allgather of 5s, times the set size for Sum

@@ -446,12 +446,37 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        ps = ctx.process_set
-        summed = synchronize(allreduce_async(grad.contiguous(), op=Sum, process_set=ps))
-        dims = synchronize(allgather_async(torch.tensor([ctx.dim0]), process_set=ps)).tolist()
-        me = ps.rank() if ps is not global_process_set else F.rank()
-        start = sum(dims[:me])
-        return summed[start : start + dims[me]], None, None
+        return _allgather_grads(ctx.process_set, [grad], [ctx.dim0])[0], None, None
+
+
+def _allgather_grads(
+    ps: ProcessSet, grads: Sequence[torch.Tensor], dim0s: Sequence[int]
+) -> list[torch.Tensor]:
+    """Upstream's allgather backward: average the output gradient over the ranks, then keep
+    the rows this rank contributed."""
+    averaged = synchronize(
+        grouped_allreduce_async([g.contiguous() for g in grads], op=Average, process_set=ps)
+    )
+    dims = synchronize(allgather_async(torch.tensor([list(dim0s)]), process_set=ps)).tolist()
+    me = ps.rank() if ps is not global_process_set else F.rank()
+    out = []
+    for i, g in enumerate(averaged):
+        start = sum(d[i] for d in dims[:me])
+        out.append(g[start : start + dims[me][i]])
+    return out
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):  # type: ignore[override]
+        ctx.dim0s, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(
+            synchronize(grouped_allgather_async(list(tensors), name=name, process_set=process_set))
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, None, *_allgather_grads(ctx.process_set, grads, ctx.dim0s))
 
 
 def allgather(
@@ -466,7 +491,8 @@ def grouped_allgather(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Allgather of several tensors in one submission (differentiable)."""
+    return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
 
 
 # ------------------------------------------------------------------------------ broadcast
@@ -684,12 +710,32 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        op, ps, pre, post = ctx.args
-        g = synchronize(allgather_async(grad.contiguous(), process_set=ps))
-        n = ps.size() if ps is not global_process_set else F.size()
-        if op == Sum:
-            g = g * n
-        return g * (pre * post), None, None, None, None, None
+        return _reducescatter_grads(ctx.args, [grad])[0], None, None, None, None, None
+
+
+def _reducescatter_grads(args: tuple, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Upstream's reducescatter backward: allgather the gradient, times the set size for Sum,
+    times the scale factors."""
+    op, ps, pre, post = args
+    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], process_set=ps))
+    n = ps.size() if ps is not global_process_set else F.size()
+    factor = (n if op == Sum else 1) * pre * post
+    return [g * factor for g in gathered]
+
+
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, pre, post, *tensors):  # type: ignore[override]
+        ctx.args = (op, process_set, pre, post)
+        return tuple(
+            synchronize(
+                grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
+            )
+        )
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, None, None, None, None, *_reducescatter_grads(ctx.args, grads))
 
 
 def reducescatter(
@@ -724,10 +770,8 @@ def grouped_reducescatter(
 
     compression = compression or Compression.none
     packed = [compression.compress(t) for t in tensors]
-    outs = synchronize(
-        grouped_reducescatter_async(
-            [p[0] for p in packed], name, op, process_set, prescale_factor, postscale_factor
-        )
+    outs = HorovodGroupedReducescatter.apply(
+        name, op, process_set, prescale_factor, postscale_factor, *[p[0] for p in packed]
     )
     return [compression.decompress(o, p[1]) for o, p in zip(outs, packed, strict=True)]
 
