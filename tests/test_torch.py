@@ -138,9 +138,8 @@ def test_autograd_through_collectives():
         hvd.allreduce(w, op=hvd.Sum).sum().backward()
         g_ar = w.grad.clone()
         w.grad = None
-        hvd.allgather(
-            w.reshape(2, 2)
-        ).sum().backward()  # upstream: average of the ranks' grads, my rows
+        # upstream's backward: the average of the ranks' gradients, this rank's rows
+        hvd.allgather(w.reshape(2, 2)).sum().backward()
         g_ag = w.grad.clone()
         w.grad = None
         (hvd.broadcast(w, root_rank=0) * 3).sum().backward()
