@@ -18,10 +18,11 @@ import os
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from horovod.benchmarks import launch
 
 OPS = ("allreduce", "allgather", "broadcast")
 DEFAULT_SIZES = [4, 1024, 64 * 1024, 1 << 20, 16 << 20, 64 << 20]
@@ -127,12 +128,6 @@ WORKERS = {"ours": worker_ours, "gloo": worker_gloo, "mpi": worker_mpi}
 
 
 # ---------------------------------------------------------------------------- driver
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def available(peer: str) -> str | None:
     """None if ``peer`` can run here, else why not."""
     import importlib.util
@@ -149,9 +144,7 @@ def available(peer: str) -> str | None:
 
 def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
     out_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    me = [
-        sys.executable,
-        "-m",
+    args = [
         "horovod.benchmarks.collectives",
         "--worker",
         peer,
@@ -162,31 +155,7 @@ def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
         "--out",
         out_file,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if peer == "ours":
-        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_)] + me
-    elif peer == "gloo":
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={np_}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
-        ] + me[1:]
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    else:
-        cmd = [
-            "mpirun",
-            "--allow-run-as-root",
-            "--oversubscribe",
-            "-np",
-            str(np_),
-            "--mca",
-            "btl",
-            "self,vader,tcp",
-        ] + me
-    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    launch.run({"ours": "horovodrun", "gloo": "torchrun", "mpi": "mpirun"}[peer], np_, args)
     with open(out_file) as f:
         data = json.load(f)
     os.unlink(out_file)
@@ -260,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"measuring {peer} ...", flush=True)
         try:
             results[peer] = run_peer(peer, a.np, sizes, a.budget)
-        except subprocess.CalledProcessError as e:
-            print(f"{peer} failed:\n{e.stderr.decode(errors='replace')[-2000:]}")
+        except RuntimeError as e:
+            print(f"{peer} failed: {e}")
             if peer == "ours":
                 return 1
     print(f"\nhost: {socket.gethostname()}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")

@@ -16,10 +16,11 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
+
+from horovod.benchmarks import launch
 
 
 def _train(model, optimizer, steps: int, warmup: int, batch: int) -> float:
@@ -81,17 +82,9 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
             json.dump({"samples_per_s": size * batch * steps / seconds}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    me = [
-        sys.executable,
-        "-m",
+    args = [
         "horovod.benchmarks.training",
         "--worker",
         kind,
@@ -106,34 +99,8 @@ def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) ->
         "--out",
         out,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if kind == "plain":
-        cmd = me
-    elif kind == "horovod":
-        cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_)] + me
-    else:
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc-per-node={np_}",
-            "--master-addr=127.0.0.1",
-            f"--master-port={_free_port()}",
-        ] + me[1:]
-    for attempt in range(2):  # one retry: torchrun's port can be taken between pick and bind
-        r = subprocess.run(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        if r.returncode == 0:
-            break
-        if attempt == 1:
-            raise RuntimeError(f"{kind} at {np_} ranks failed:\n{r.stderr[-3000:]}")
-        if kind == "ddp":
-            cmd = [
-                c if not c.startswith("--master-port=") else f"--master-port={_free_port()}"
-                for c in cmd
-            ]
+    launcher = {"plain": "none", "horovod": "horovodrun", "ddp": "torchrun"}[kind]
+    launch.run(launcher, np_, args)
     with open(out) as f:
         value = json.load(f)["samples_per_s"]
     os.unlink(out)

@@ -1,0 +1,65 @@
+"""Starting a benchmark's worker processes under each framework's own launcher."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(launcher: str, np_: int, module_args: list[str]) -> tuple[list[str], dict]:
+    """The command that runs ``python -m <module_args>`` on ``np_`` ranks with ``launcher``:
+    ``horovodrun``, ``torchrun`` (torch.distributed.run), ``mpirun`` or ``none`` (one plain
+    process)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    me = [sys.executable, "-m", *module_args]
+    if launcher == "none":
+        return me, env
+    if launcher == "horovodrun":
+        return [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_), *me], env
+    if launcher == "torchrun":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={np_}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "-m",
+            *module_args,
+        ], env
+    if launcher == "mpirun":
+        return [
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(np_),
+            "--mca",
+            "btl",
+            "self,vader,tcp",
+            *me,
+        ], env
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def run(launcher: str, np_: int, module_args: list[str]) -> None:
+    """Run to completion; one retry (torchrun's port can be taken between pick and bind);
+    RuntimeError with the end of stderr if it fails twice."""
+    for attempt in range(2):
+        cmd, env = command(launcher, np_, module_args)
+        r = subprocess.run(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        if r.returncode == 0:
+            return
+        if attempt == 1:
+            raise RuntimeError(f"{launcher} with {np_} ranks failed:\n{r.stderr[-3000:]}")
