@@ -152,25 +152,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _make_hook(self) -> Any:
         def hook(p: torch.Tensor) -> None:
             pid = id(p)
-            if pid in self._handles and self._handles[pid][0] is not None:
-                if self._delay[pid] <= 0:
-                    raise AssertionError(_TOO_MANY_PASSES)
-            self._delay[pid] -= 1
-            if self._delay[pid] < 0:
+            if self._delay[pid] <= 0:  # already reduced (or queued) since the last step()
                 raise AssertionError(_TOO_MANY_PASSES)
-            entry: tuple[Any, Any] = (None, None)
-            if self._delay[pid] == 0:
-                gi = self._group_of.get(pid)
-                if gi is None:
-                    self._queue(p)
-                    return
-                else:
-                    ready = self._group_ready.setdefault(gi, set())
-                    ready.add(pid)
-                    if len(ready) == len(self._groups[gi]):
-                        self._submit_group(gi)
-                        return
-            self._handles[pid] = entry
+            self._delay[pid] -= 1
+            if self._delay[pid] > 0:  # still accumulating locally
+                self._handles[pid] = (None, None)
+                return
+            gi = self._group_of.get(pid)
+            if gi is None:
+                self._queue(p)
+                return
+            ready = self._group_ready.setdefault(gi, set())
+            ready.add(pid)
+            if len(ready) == len(self._groups[gi]):
+                self._submit_group(gi)
 
         return hook
 
