@@ -49,6 +49,27 @@ def run_script(
     return subprocess.run(cmd, capture_output=True, text=not raw, timeout=timeout, env=full_env)
 
 
+def run_module(*args: str, timeout: float = 120):
+    """``python -m <args>`` with this checkout importable; returns CompletedProcess (text)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def horovodrun_example(np_: int, example: str, *args: str, timeout: float = 180):
+    """``horovodrun -np N python examples/<example> <args>``."""
+    return run_module(
+        "horovod.runner.launch",
+        "-np",
+        str(np_),
+        sys.executable,
+        str(REPO / "examples" / example),
+        *args,
+        timeout=timeout,
+    )
+
+
 @pytest.fixture(params=SIZES, ids=lambda n: f"np{n}")
 def size(request):
     return request.param

@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, run_script
+from conftest import REPO, horovodrun_example, run_module, run_script
 
 pytestmark = pytest.mark.e2e
 
@@ -167,14 +167,7 @@ def test_flags_become_worker_environment(tmp_path):
 
 
 def _launcher(*args):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-m", "horovod.runner.launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    return run_module("horovod.runner.launch", *args, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -322,48 +315,16 @@ def test_strangers_on_the_ports_do_not_disturb_a_running_job(tmp_path):
 
 
 def test_main_example_trains_to_high_accuracy():
-    """The README's main command (examples/numpy_digits.py under horovodrun -np 2)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "horovod.runner.launch",
-            "-np",
-            "2",
-            sys.executable,
-            str(REPO / "examples" / "numpy_digits.py"),
-            "--epochs",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    """The README's NumPy example (examples/numpy_digits.py under horovodrun -np 2)."""
+    r = horovodrun_example(2, "numpy_digits.py", "--epochs", "8", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:training on 2 rank(s)" in r.stdout
     assert "replicas identical: True" in r.stdout
 
 
-def test_collectives_benchmark_runs(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "horovod.benchmarks.collectives",
-            "--peers",
-            "ours",
-            "--max-bytes",
-            "1K",
-            "--budget",
-            "0.05",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
+def test_collectives_benchmark_runs():
+    r = run_module(
+        "horovod.benchmarks.collectives", "--peers", "ours", "--max-bytes", "1K", "--budget", "0.05"
     )
     assert r.returncode == 0, r.stdout + r.stderr
     for op in ("allreduce", "allgather", "broadcast"):

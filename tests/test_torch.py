@@ -552,42 +552,15 @@ def test_upstream_style_script_runs_unchanged_under_horovodrun():
 
 @pytest.mark.e2e
 def test_digits_example_trains_checkpoints_and_resumes(tmp_path):
-    import os
-    import subprocess
-    import sys
+    from conftest import horovodrun_example
 
-    from conftest import REPO
-
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     ckpt = tmp_path / "ckpt.pt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "horovod.runner.launch",
-        "-np",
-        "2",
-        sys.executable,
-        str(REPO / "examples" / "pytorch_digits.py"),
-        "--checkpoint",
-        str(ckpt),
-    ]
-    r = subprocess.run(
-        cmd + ["--epochs", "4", "--min-accuracy", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    args = ("--checkpoint", str(ckpt), "--min-accuracy", "0.5")
+    r = horovodrun_example(2, "pytorch_digits.py", *args, "--epochs", "4")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:epoch 4:" in r.stdout and "[1]<stdout>:epoch" not in r.stdout
     assert ckpt.exists()
-    r = subprocess.run(
-        cmd + ["--epochs", "1", "--resume", "--min-accuracy", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    r = horovodrun_example(2, "pytorch_digits.py", *args, "--epochs", "1", "--resume")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:epoch 5:" in r.stdout  # continued where the checkpoint ended
 
@@ -710,59 +683,37 @@ def test_amp_grad_scaler_flow():
 
 @pytest.mark.e2e
 def test_training_benchmark_and_synthetic_example_run():
-    import os
-    import subprocess
-    import sys
+    from conftest import horovodrun_example, run_module
 
-    from conftest import REPO
-
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "horovod.benchmarks.training",
-            "--models",
-            "convnet",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--repeats",
-            "1",
-            "--batch-size",
-            "4",
-        ],
-        capture_output=True,
-        text=True,
+    r = run_module(
+        "horovod.benchmarks.training",
+        "--models",
+        "convnet",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--batch-size",
+        "4",
         timeout=300,
-        env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| convnet |" in r.stdout and "x |" in r.stdout
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "horovod.runner.launch",
-            "-np",
-            "2",
-            sys.executable,
-            str(REPO / "examples" / "pytorch_synthetic_benchmark.py"),
-            "--model",
-            "mlp200",
-            "--num-warmup-batches",
-            "1",
-            "--num-batches-per-iter",
-            "2",
-            "--num-iters",
-            "2",
-            "--fp16-allreduce",
-        ],
-        capture_output=True,
-        text=True,
+    r = horovodrun_example(
+        2,
+        "pytorch_synthetic_benchmark.py",
+        "--model",
+        "mlp200",
+        "--num-warmup-batches",
+        "1",
+        "--num-batches-per-iter",
+        "2",
+        "--num-iters",
+        "2",
+        "--fp16-allreduce",
         timeout=300,
-        env=env,
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[0]<stdout>:Total img/sec on 2 CPU(s):" in r.stdout
