@@ -142,15 +142,21 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a timeline to ``file_path`` (rank 0 writes; other ranks return at once).
+    A timeline already being written is closed first. Works whether or not HOROVOD_TIMELINE
+    was set (upstream required HOROVOD_TIMELINE=DYNAMIC)."""
     ctx = _ctx()
-    if ctx.config.timeline.upper() != "DYNAMIC" and not ctx.config.timeline:
-        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
-    raise NotImplementedError("this pyhorovod version does not write timelines yet")
+    if not isinstance(file_path, (str, os.PathLike)) or not str(file_path):
+        raise ValueError(f"start_timeline: file_path must be a non-empty path, got {file_path!r}")
+    try:
+        ctx.start_timeline(os.fspath(file_path), bool(mark_cycles))
+    except OSError as e:
+        raise ValueError(f"start_timeline: cannot write {file_path!r}: {e.strerror or e}") from None
 
 
 def stop_timeline() -> None:
-    _ctx()
-    raise NotImplementedError("this pyhorovod version does not write timelines yet")
+    """Stop writing the timeline and close its file (a no-op when none is being written)."""
+    _ctx().stop_timeline()
 
 
 # --------------------------------------------------------------------------------- compression

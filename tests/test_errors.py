@@ -337,15 +337,42 @@ def test_stall_is_reported_and_aborts_past_the_shutdown_limit(caplog):
 
     msg = messages[1]  # every rank gets the whole report
     assert re.search(
-        r"allreduce 'lonely': submitted by ranks \[0\] at test_errors.py:\d+ in body, "
-        r"waiting [\d.]+ s for ranks \[1\]",
+        r"allreduce 'lonely': submitted by rank 0 at test_errors.py:\d+ in body, "
+        r"waiting [\d.]+ s for rank 1\.",
         msg,
     )
     assert re.search(
-        r"barrier 'noname': submitted by ranks \[1\] at test_errors.py:\d+ in body, "
-        r"waiting [\d.]+ s for ranks \[0\]",
+        r"barrier: submitted by rank 1 at test_errors.py:\d+ in body, "
+        r"waiting [\d.]+ s for rank 0\.",
         msg,
     )
-    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=0.6 exceeded" in msg
+    assert re.search(
+        r"rank 1 has not submitted it: it is waiting in barrier at test_errors.py:\d+ in body",
+        msg,
+    )
+    assert "Deadlock: " in msg and "neither can ever complete" in msg
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=0.6 was exceeded" in msg
     warned = [r.getMessage() for r in caplog.records if "Stall:" in r.getMessage()]
     assert warned and "inside `if hvd.rank() == 0:`" in warned[0]
+
+
+def test_internal_error_mid_collective_fails_every_rank(monkeypatch):
+    """A bug while executing a response (here: an injected exception on rank 0) must fail
+    the handles already taken off the table on every rank, not leave them hanging."""
+    from horovod.core import ops
+
+    orig = ops.execute
+
+    def broken(resp, entries, t, buffers, *rest):
+        if t.rank == 0:
+            raise TypeError("injected bug")
+        return orig(resp, entries, t, buffers, *rest)
+
+    monkeypatch.setattr(ops, "execute", broken)
+
+    def body(rank):
+        with pytest.raises(HorovodInternalError, match="internal error on rank 0: TypeError"):
+            hvd.allreduce(np.ones(4, np.float32), name="x")
+        return "ok"
+
+    assert run_ranks(body, 2, timeout=20) == ["ok", "ok"]

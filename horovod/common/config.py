@@ -94,10 +94,14 @@ class Config:
     )
     # --- diagnostics ----------------------------------------------------------------------
     timeline: str = _knob(
-        "HOROVOD_TIMELINE", "", "Path of a Chrome-trace timeline written by rank 0, or DYNAMIC."
+        "HOROVOD_TIMELINE",
+        "",
+        "Path of a Chrome-trace timeline written by rank 0, or DYNAMIC (hvd.start_timeline).",
     )
     timeline_mark_cycles: bool = _knob(
-        "HOROVOD_TIMELINE_MARK_CYCLES", False, "Mark engine cycles in the timeline."
+        "HOROVOD_TIMELINE_MARK_CYCLES",
+        False,
+        "Mark each coordinator round (CYCLE_START) in the timeline.",
     )
     stall_check_disable: bool = _knob(
         "HOROVOD_STALL_CHECK_DISABLE", False, "Disable the stall inspector."
@@ -112,6 +116,13 @@ class Config:
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
         0.0,
         "Abort the job when a tensor has waited this long (0: never).",
+        minimum=0,
+    )
+    wait_summary_seconds: float = _knob(
+        "HOROVOD_WAIT_SUMMARY_SECONDS",
+        30.0,
+        "Every this many seconds rank 0 logs (INFO) how long ranks waited for the slowest "
+        "rank, and which rank that was (0: never).",
         minimum=0,
     )
     log_level: str = _knob(

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import faulthandler
 import itertools
+import os
+import signal
 import sys
 import threading
 from collections import Counter
@@ -24,6 +27,7 @@ from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core.engine import Engine, Handle
 from horovod.core.messages import decode, encode
+from horovod.core.timeline import Timeline
 from horovod.rendezvous.store import HTTPStoreClient, MemoryStore, Store
 from horovod.transport.base import Transport
 from horovod.transport.loopback import LoopbackWorld
@@ -87,8 +91,6 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
     if spec is not None:
         env = spec.env
     else:
-        import os
-
         env = os.environ  # type: ignore[assignment]
     static: list[ProcessSet] = []
     if process_sets == "dynamic":
@@ -166,6 +168,20 @@ def shutdown(why: str = "called shutdown()") -> None:
         _process_ctx = None
 
 
+def _register_stack_dump() -> bool:
+    """Let SIGUSR1 dump this process's Python stacks to stderr (faulthandler works even while
+    the interpreter is stuck in C code). Only when nobody else uses SIGUSR1."""
+    if not hasattr(signal, "SIGUSR1") or threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        if signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:
+            return False
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True, chain=False)
+        return True
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return False
+
+
 def _local_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
     """(local_rank, local_size, cross_rank, cross_size) per rank, as upstream defines them."""
     counts = Counter(hosts)
@@ -204,11 +220,23 @@ class Context:
                 )
         store, transport = self._connect(cfg, spec, scope)
         self.store = store
+        self.timeline: Timeline | None = None
+        stall_on = not cfg.stall_check_disable and cfg.stall_check_time_seconds > 0
+        dumps = spec is None and cfg.size > 1 and stall_on and _register_stack_dump()
         try:
-            infos = self._exchange_info(store, scope, cfg, [ps.ranks for ps in static_sets])
+            infos = self._exchange_info(store, scope, cfg, [ps.ranks for ps in static_sets], dumps)
             hosts = Counter(info[0] for info in infos)
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
+            # Ranks on rank 0's host whose stacks can be dumped with SIGUSR1 (faulthandler),
+            # for the hang doctor when a rank is too busy in C code to answer.
+            signal_pids = {
+                r: info[6]
+                for r, info in enumerate(infos)
+                if r > 0 and info[7] and info[0] == infos[0][0]
+            }
+            if cfg.rank == 0 and cfg.timeline and cfg.timeline.upper() != "DYNAMIC":
+                self.timeline = Timeline(cfg.timeline, cfg.timeline_mark_cycles)
             self.engine = Engine(
                 cfg.rank,
                 cfg.size,
@@ -222,20 +250,23 @@ class Context:
                 else cfg.stall_check_time_seconds,
                 stall_shutdown_seconds=cfg.stall_shutdown_time_seconds,
                 process_sets=[ps.ranks for ps in static_sets],
+                main_ident=threading.get_ident(),
+                other_threads=spec is None,
+                stack_signal_pids=signal_pids,
+                wait_summary_seconds=cfg.wait_summary_seconds,
+                on_fatal_report=self._record_diagnosis,
+                timeline=self.timeline,
             )
         except BaseException:
             transport.close()
+            if self.timeline is not None:
+                self.timeline.close()
             raise
         self.public_sets: dict[int, ProcessSet] = {0: global_process_set}
         for i, ps in enumerate(static_sets, start=1):
             ps.process_set_id = i
             self.public_sets[i] = ps
         self.engine.start()
-        if cfg.timeline:
-            log.logger.warning(
-                "HOROVOD_TIMELINE is set, but this pyhorovod version does not "
-                "write timelines yet; no file will be written"
-            )
         log.logger.info("Horovod initialized: rank %d of %d", cfg.rank, cfg.size)
 
     @staticmethod
@@ -277,8 +308,19 @@ class Context:
         return store, transport
 
     @staticmethod
-    def _exchange_info(store: Store, scope: str, cfg: Config, sets: list[list[int]]) -> list[tuple]:
-        mine = (cfg.hostname, cfg.local_rank, cfg.local_size, cfg.cross_rank, cfg.cross_size, sets)
+    def _exchange_info(
+        store: Store, scope: str, cfg: Config, sets: list[list[int]], dumps: bool
+    ) -> list[tuple]:
+        mine = (
+            cfg.hostname,
+            cfg.local_rank,
+            cfg.local_size,
+            cfg.cross_rank,
+            cfg.cross_size,
+            sets,
+            os.getpid(),
+            dumps,
+        )
         if cfg.size == 1:
             return [mine]
         store.set(scope, f"info.{cfg.rank}", encode(("I",) + mine))
@@ -296,6 +338,30 @@ class Context:
                     "every rank must pass the same list in the same order"
                 )
         return infos
+
+    def _record_diagnosis(self, text: str) -> None:
+        """The hang doctor's fatal report: horovodrun prints it as the job's root cause."""
+        if self.size > 1:
+            try:
+                self.store.set(FAILURE_SCOPE, "diagnosis", text.encode())
+            except Exception as e:  # the report is also in rank 0's log
+                log.logger.debug("could not record the stall report: %s", e)
+
+    # ------------------------------------------------------------------ timeline
+    def start_timeline(self, path: str, mark_cycles: bool) -> None:
+        if self.rank != 0:
+            return  # only rank 0 writes, as upstream
+        old = self.timeline
+        new = Timeline(path, mark_cycles)
+        self.timeline = self.engine.timeline = new
+        if old is not None:
+            old.close()
+
+    def stop_timeline(self) -> None:
+        old, self.timeline = self.timeline, None
+        self.engine.timeline = None
+        if old is not None:
+            old.close()
 
     def record_failure(self, exc: BaseException) -> None:
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -315,6 +381,7 @@ class Context:
             return
         self.stopped = True
         self.engine.stop(why, timeout=max(10.0, self.config.timeout_seconds))
+        self.stop_timeline()
         for ps_id, ps in list(self.public_sets.items()):
             if ps_id != 0 and ps.process_set_id == ps_id:
                 ps.process_set_id = None

@@ -26,7 +26,9 @@ every rank stop after the responses already decided.
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -40,6 +42,13 @@ from horovod.common.exceptions import HorovodInternalError, TransportError, shut
 from horovod.common.log import logger
 from horovod.core import ops
 from horovod.core.cache import ResponseCache
+from horovod.core.diagnose import (
+    WaitStats,
+    capture_stacks,
+    format_stacks,
+    main_stack,
+    where,
+)
 from horovod.core.messages import (
     ALLGATHER,
     ALLREDUCE,
@@ -61,6 +70,7 @@ from horovod.core.messages import (
     display_name,
     encode,
 )
+from horovod.core.timeline import Timeline
 from horovod.transport.base import SubTransport, Transport
 
 DUPLICATE_NAME = (
@@ -179,6 +189,12 @@ class Engine:
         stall_shutdown_seconds: float = 0.0,
         process_sets: Sequence[Sequence[int]] = (),
         clock: Callable[[], float] = time.monotonic,
+        main_ident: int | None = None,
+        other_threads: bool = False,
+        stack_signal_pids: dict[int, int] | None = None,
+        wait_summary_seconds: float = 0.0,
+        on_fatal_report: Callable[[str], None] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
         self.rank, self.size, self.transport = rank, size, transport
         self.fusion_threshold = fusion_threshold
@@ -186,8 +202,14 @@ class Engine:
         self.cache_capacity = cache_capacity
         self.disable_group_fusion = disable_group_fusion
         self.clock = clock
+        self.main_ident = main_ident  # the thread that called hvd.init() (for stacks)
+        self.other_threads = other_threads  # report the application's other threads too
+        self.stack_signal_pids = stack_signal_pids or {}
+        self.on_fatal_report = on_fatal_report or (lambda text: None)
+        self.timeline = timeline  # only ever set on rank 0
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.table: dict[tuple[int, str], Entry] = {}
+        self.running: list[Entry | None] = []  # entries of the response being executed
         self.lock = threading.Lock()
         self.closed: str | None = None  # set once: why no more work is accepted
         self.closing = False  # a clean shutdown is under way
@@ -205,7 +227,11 @@ class Engine:
             self._register(i, ranks)
         self.coordinator = (
             _Coordinator(
-                self, stall_check_seconds, stall_shutdown_seconds, first_free=len(process_sets) + 1
+                self,
+                stall_check_seconds,
+                stall_shutdown_seconds,
+                first_free=len(process_sets) + 1,
+                wait_summary_seconds=wait_summary_seconds,
             )
             if rank == 0
             else None
@@ -284,6 +310,13 @@ class Engine:
             return
         if msg[0] == "X":  # abort broadcast by the coordinator
             self._abort(str(msg[1]), broadcast=False)
+            return
+        if msg[0] == "STACK?":  # the hang doctor asks where this rank is: answer at once
+            stacks = capture_stacks(self.main_ident, self.other_threads)
+            try:
+                self.transport.send_ctrl(0, encode(("STACK", msg[1], stacks)))
+            except Exception:
+                pass
             return
         if msg[0] == "P" and msg[2] is not None:
             self.closing = True  # a clean shutdown follows; the connection will drop
@@ -462,10 +495,18 @@ class Engine:
             return
         with self.lock:
             entries = [self.table.pop((resp.ps_id, n), None) for n in resp.names]
+            # Until their handles complete, these entries are failed with the table if the
+            # data plane breaks or raises mid-way.
+            self.running = entries
         self.stats["responses"] += 1
         if len(resp.names) > 1:
             self.stats["fused_responses"] += 1
+        tl = self.timeline
         if op == ERROR:
+            if tl is not None:
+                for row in _rows(resp):
+                    tl.op_start(row, "ERROR")
+                    tl.op_end(row)
             for e in entries:
                 if e is not None:
                     e.handle._complete(e.index, error=resp.error)
@@ -478,7 +519,20 @@ class Engine:
         assert ss.view is not None
         if op == BROADCAST:
             resp = _with_root(resp, ss.ranks.index(resp.root))
-        results = ops.execute(resp, entries, ss.view, self.buffers, self.fusion_threshold)
+        if tl is None:
+            results = ops.execute(resp, entries, ss.view, self.buffers)
+        else:
+            rows = _rows(resp)
+            for row in rows:
+                tl.op_start(row, OP_NAMES[op])
+            results = ops.execute(
+                resp, entries, ss.view, self.buffers, lambda act: tl.activity(rows, act)
+            )
+            dtype = NAME_OF_CODE.get(resp.dtype, "?")
+            for row, shape in zip(rows, resp.shapes, strict=False):
+                tl.op_end(row, dtype, shape)
+        with self.lock:
+            self.running = []
         for e, r in zip(entries, results, strict=False):
             if e is not None:
                 e.handle._complete(e.index, r)
@@ -517,8 +571,20 @@ class Engine:
                 self.closed = reason
             doomed = [k for k in self.table if only_set is None or k[0] == only_set]
             entries = [self.table.pop(k) for k in doomed]
+            if only_set is None:
+                entries += [e for e in self.running if e is not None]
+                self.running = []
         for e in entries:
             e.handle._complete(e.index, error=reason)
+
+
+def _row(ps_id: int, name: str) -> str:
+    """A tensor's row in the timeline (names are unique per process set)."""
+    return name if ps_id == 0 else f"{name} [process set {ps_id}]"
+
+
+def _rows(resp: Response) -> list[str]:
+    return [_row(resp.ps_id, n) for n in resp.names]
 
 
 def _with_root(resp: Response, set_root: int) -> Response:
@@ -541,21 +607,61 @@ def _merge(parts: list[Response]) -> Response:
 
 # ====================================================================================== coordinator
 class _Pending:
-    __slots__ = ("reqs", "cids", "t0", "ready", "warned")
+    __slots__ = ("reqs", "cids", "times", "t0", "ready", "warned")
 
     def __init__(self, t0: float) -> None:
         self.reqs: dict[int, Request] = {}
         self.cids: dict[int, int | None] = {}
+        self.times: dict[int, float] = {}  # when each rank's request reached the coordinator
         self.t0 = t0
         self.ready = False
         self.warned = False
+
+
+STACK_WAIT_SECONDS = 2.0  # how long the hang doctor waits for ranks to send their stacks
+
+
+class _Stalled:
+    """One collective the stall inspector found waiting for some ranks."""
+
+    __slots__ = ("ps_id", "name", "p", "missing", "waited")
+
+    def __init__(self, ps_id: int, name: str, p: _Pending, missing: list[int], waited: float):
+        self.ps_id, self.name, self.p, self.missing, self.waited = ps_id, name, p, missing, waited
+
+    @property
+    def what(self) -> str:
+        first = next(iter(self.p.reqs.values()))
+        on = f" on process set {self.ps_id}" if self.ps_id else ""
+        return display_name(first.op, self.name) + on
+
+
+class _Diagnosis:
+    """A stall report being assembled: the stacks asked of the ranks involved."""
+
+    def __init__(
+        self, token: int, stalled: list[_Stalled], fatal: bool, asked: set[int], deadline: float
+    ) -> None:
+        self.token, self.stalled, self.fatal = token, stalled, fatal
+        self.asked, self.deadline = asked, deadline
+        self.stacks: dict[int, list] = {}
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
 class _Coordinator:
     """Negotiation on global rank 0 for every process set."""
 
     def __init__(
-        self, engine: Engine, stall_check: float, stall_shutdown: float, first_free: int
+        self,
+        engine: Engine,
+        stall_check: float,
+        stall_shutdown: float,
+        first_free: int,
+        wait_summary_seconds: float = 0.0,
     ) -> None:
         self.e = engine
         self.tables: dict[int, dict[str, _Pending]] = {}
@@ -570,6 +676,11 @@ class _Coordinator:
         self.free_ids: list[int] = []
         self.partial = 0  # names submitted by some ranks but not yet by all
         self.ready_since = 0.0  # when the current ready list got its first entry
+        now = engine.clock()
+        self.waits = WaitStats(engine.size, now)
+        self.wait_period = wait_summary_seconds
+        self.diagnosis: _Diagnosis | None = None
+        self.tokens = 0
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -609,6 +720,10 @@ class _Coordinator:
             self.e.closing = True
         elif tag == "A":
             self.e._abort(str(msg[1]))
+        elif tag == "STACK":
+            d = self.diagnosis
+            if d is not None and msg[1] == d.token:
+                d.stacks[peer] = list(msg[2])
 
     def add(self, rank: int, req: Request, cid: int | None) -> None:
         if req.op == JOIN:
@@ -619,12 +734,19 @@ class _Coordinator:
             if len(self.joined) == self.e.size:
                 self.ready.append((0, "__join__"))
             return
+        now = self.e.clock()
         table = self.tables.setdefault(req.ps_id, {})
-        p = table.get(req.name) or table.setdefault(req.name, _Pending(self.e.clock()))
+        p = table.get(req.name) or table.setdefault(req.name, _Pending(now))
         if not p.reqs:
             self.partial += 1
         p.reqs[rank] = req
         p.cids[rank] = cid
+        p.times[rank] = now
+        tl = self.e.timeline
+        if tl is not None:
+            row = _row(req.ps_id, req.name)
+            tl.negotiate_start(row, OP_NAMES.get(req.op, "?"), now)
+            tl.negotiate_rank_ready(row, rank, now)
         self._check_ready(req.ps_id, req.name, p)
 
     def _check_ready(self, ps_id: int, name: str, p: _Pending) -> None:
@@ -640,9 +762,22 @@ class _Coordinator:
         if len(p.reqs) >= need:
             p.ready = True
             self.partial -= 1
+            now = self.e.clock()
             if not self.ready:
-                self.ready_since = self.e.clock()
+                self.ready_since = now
             self.ready.append((ps_id, name))
+            slowest = self.waits.record(p.times.items())
+            tl = self.e.timeline
+            if tl is not None:
+                if slowest is None:
+                    tl.negotiate_end(_row(ps_id, name), now)
+                else:
+                    tl.negotiate_end(
+                        _row(ps_id, name),
+                        now,
+                        last_rank=slowest[0],
+                        waited_ms=round(slowest[1] * 1e3, 3),
+                    )
 
     def forget_set(self, ps_id: int) -> None:
         self.partial -= sum(1 for p in self.tables.get(ps_id, {}).values() if not p.ready)
@@ -666,6 +801,8 @@ class _Coordinator:
             waits.append(max(0.0, self._hold_until() - now))
         if self.next_stall != float("inf") and any(self.tables.values()):
             waits.append(max(0.0, self.next_stall - now))
+        if self.diagnosis is not None:
+            waits.append(max(0.0, self.diagnosis.deadline - now))
         return min(waits) if waits else None
 
     def maybe_emit(self) -> tuple | None:
@@ -677,13 +814,21 @@ class _Coordinator:
             self.resend = {}
         if now >= self.next_stall:
             self._stall_check(now)
+        if self.diagnosis is not None:
+            self._finish_diagnosis(now)
+        if self.wait_period > 0 and now - self.waits.start >= self.wait_period:
+            self.report_waits(now)
         if not self.ready and self.shutdown_why is None:
             return None
         if now < self._hold_until():
             return None
         built = [self._build(ps_id, name) for ps_id, name in self.ready]
         self.ready = []
+        if self.shutdown_why is not None:
+            built.extend(self._orphans())
         items = self._fuse(built)
+        if e.timeline is not None:
+            e.timeline.cycle()
         msg = ("P", items, self.shutdown_why)
         if e.size > 1:
             wire = encode(msg)
@@ -768,11 +913,53 @@ class _Coordinator:
                 out.append(_merge([r for r, _ in group]).wire())
         return out
 
-    # ----------------------------------------------------------- stall inspector
-    def _stall_check(self, now: float) -> None:
-        self.next_stall = now + self.stall_check
-        lines = []
-        fatal = False
+    # ----------------------------------------------------------- wait attribution
+    def report_waits(self, now: float) -> None:
+        text = self.waits.summary(now)
+        if text is not None:
+            logger.info(text)
+            tl = self.e.timeline
+            if tl is not None:
+                tl.counter(
+                    "WAITED_FOR_SLOWEST_RANK_S",
+                    {f"rank {r}": round(w, 6) for r, w in enumerate(self.waits.waited)},
+                )
+        self.waits.reset(now)
+
+    def _orphans(self) -> list[tuple[Response, int | None]]:
+        """At shutdown, collectives that only some ranks submitted can never run: fail them
+        with a message that says so, rather than with a bare shutdown notice."""
+        out: list[tuple[Response, int | None]] = []
+        for ps_id, table in self.tables.items():
+            for name, p in list(table.items()):
+                if p.ready or not p.reqs:
+                    continue
+                del table[name]
+                self.partial -= 1
+                st = _Stalled(ps_id, name, p, [], 0.0)
+                out.append(
+                    (
+                        Response(
+                            ERROR,
+                            ps_id,
+                            [name],
+                            error=(
+                                f"{st.what} was submitted by {_ranks(list(p.reqs))}"
+                                f"{self._sites(p, {})} but {self.shutdown_why} without "
+                                "submitting it, so it can never complete. Only some ranks "
+                                "called this collective (for example inside `if hvd.rank() "
+                                "== 0:`), or ranks called different numbers of collectives: "
+                                "every rank of the process set must call it."
+                            ),
+                        ),
+                        None,
+                    )
+                )
+        return out
+
+    # ----------------------------------------------------------- stall inspector / hang doctor
+    def _stalled(self, now: float) -> list[_Stalled]:
+        out = []
         for ps_id, table in self.tables.items():
             ss = self.e.sets.get(ps_id)
             if ss is None:
@@ -782,31 +969,170 @@ class _Coordinator:
                 if p.ready or waited < self.stall_check:
                     continue
                 missing = [r for r in ss.ranks if r not in p.reqs and r not in self.joined]
-                if not missing:
-                    continue
-                over = self.stall_shutdown and waited >= self.stall_shutdown
-                fatal = fatal or bool(over)
-                first = next(iter(p.reqs.values()))
-                site = next((q.site for q in p.reqs.values() if q.site), "")
-                lines.append(
-                    f"  {display_name(first.op, name)}: submitted by ranks "
-                    f"{sorted(p.reqs)}{f' at {site}' if site else ''}, waiting {waited:.1f} s "
-                    f"for ranks {missing}{' (over the shutdown limit)' if over else ''}"
-                )
-        if not lines:
+                if missing:
+                    out.append(_Stalled(ps_id, name, p, missing, waited))
+        out.sort(key=lambda st: st.p.t0)
+        return out
+
+    def _stall_check(self, now: float) -> None:
+        self.next_stall = now + self.stall_check
+        if self.diagnosis is not None:
             return
-        text = (
-            "Stall: some ranks submitted collectives that other ranks have not submitted. "
-            "Different ranks may be calling different collectives, or only some ranks (for "
-            "example inside `if hvd.rank() == 0:`) reach this collective:\n" + "\n".join(lines)
+        stalled = self._stalled(now)
+        fatal = bool(self.stall_shutdown) and any(
+            st.waited >= self.stall_shutdown for st in stalled
         )
-        if fatal:
-            self.e._abort(
-                text + f"\nAborting: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
-                f"{self.stall_shutdown:g} exceeded."
+        if not fatal and all(st.p.warned for st in stalled):
+            return  # nothing new to say
+        for st in stalled:
+            st.p.warned = True
+        # Ask every rank involved where it is; the report is written when they have answered.
+        ranks = {r for st in stalled for r in (*st.p.reqs, *st.missing)}
+        self.tokens += 1
+        d = _Diagnosis(self.tokens, stalled, fatal, ranks - {0}, now + STACK_WAIT_SECONDS)
+        if 0 in ranks:
+            d.stacks[0] = capture_stacks(self.e.main_ident, self.e.other_threads)
+        wire = encode(("STACK?", d.token))
+        for r in d.asked:
+            try:
+                self.e.transport.send_ctrl(r, wire)
+            except Exception:
+                pass
+        self.diagnosis = d
+        self._finish_diagnosis(now)
+
+    def _finish_diagnosis(self, now: float) -> None:
+        d = self.diagnosis
+        assert d is not None
+        if now < d.deadline and not d.asked <= set(d.stacks):
+            return
+        self.diagnosis = None
+        silent = sorted(d.asked - set(d.stacks))
+        dumped = []
+        for r in silent:
+            pid = self.e.stack_signal_pids.get(r)
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                    dumped.append(r)
+                except OSError:
+                    pass
+        text = self._report_text(d, silent, dumped)
+        if d.fatal:
+            text += (
+                f"\nStopping the job: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
+                f"{self.stall_shutdown:g} was exceeded."
             )
+            logger.error(text)
+            try:
+                self.e.on_fatal_report(text)
+            finally:
+                self.e._abort(text)
         else:
             logger.warning(text)
+
+    def _sites(self, p: _Pending, stacks: dict[int, list]) -> str:
+        """`` (at train.py:12 in step)``: where the submitting ranks called the collective."""
+        sites: dict[str, list[int]] = {}
+        for r, q in sorted(p.reqs.items()):
+            site = q.site or (where(main_stack(stacks[r])) if r in stacks else "")
+            if site:
+                sites.setdefault(site, []).append(r)
+        if not sites:
+            return ""
+        if len(sites) == 1:
+            return f" at {next(iter(sites))}"
+        return " at " + ", ".join(f"{s} ({_ranks(rs)})" for s, rs in sites.items())
+
+    def _waiting_in(self, rank: int) -> list[_Stalled]:
+        """Collectives ``rank`` submitted that still wait for other ranks."""
+        out = []
+        for ps_id, table in self.tables.items():
+            ss = self.e.sets.get(ps_id)
+            if ss is None:
+                continue
+            for name, p in table.items():
+                if rank in p.reqs and not p.ready:
+                    missing = [r for r in ss.ranks if r not in p.reqs and r not in self.joined]
+                    out.append(_Stalled(ps_id, name, p, missing, 0.0))
+        out.sort(key=lambda st: st.p.t0)
+        return out
+
+    def _report_text(self, d: _Diagnosis, silent: list[int], dumped: list[int]) -> str:
+        n = len(d.stalled)
+        lines = [
+            f"Stall: {n} collective{'s' if n != 1 else ''} waited more than "
+            f"{self.stall_check:g} s (HOROVOD_STALL_CHECK_TIME_SECONDS) for ranks that have "
+            "not submitted them."
+        ]
+        deadlocks: dict[frozenset[str], tuple[_Stalled, _Stalled]] = {}
+        shown: set[int] = set()
+        for st in d.stalled:
+            subs = sorted(st.p.reqs)
+            lines.append(
+                f"  {st.what}: submitted by {_ranks(subs)}{self._sites(st.p, d.stacks)}, "
+                f"waiting {st.waited:.1f} s for {_ranks(st.missing)}."
+            )
+            for m in st.missing:
+                elsewhere = self._waiting_in(m)
+                if elsewhere:
+                    other = elsewhere[0]
+                    lines.append(
+                        f"    rank {m} has not submitted it: it is waiting in {other.what}"
+                        f"{self._sites(other.p, d.stacks)} for {_ranks(other.missing)}."
+                    )
+                    if set(other.missing) & set(subs):
+                        deadlocks.setdefault(frozenset((st.name, other.name)), (st, other))
+                    continue
+                if m in d.stacks and d.stacks[m]:
+                    stack = d.stacks[m]
+                    lines.append(
+                        f"    rank {m} never submitted {st.what}; it is in "
+                        f"{where(main_stack(stack))}"
+                        + (":" if m not in shown else " (stack above).")
+                    )
+                    if m not in shown:
+                        lines.append(format_stacks(stack))
+                        shown.add(m)
+                elif m in silent:
+                    how = (
+                        f"; its stacks were dumped to its stderr by faulthandler (lines "
+                        f"prefixed [{m}]<stderr>)"
+                        if m in dumped
+                        else ""
+                    )
+                    lines.append(
+                        f"    rank {m} never submitted {st.what}, and did not answer within "
+                        f"{STACK_WAIT_SECONDS:g} s when asked where it is: its interpreter is "
+                        "busy (most likely in C code that holds the GIL) or the process is "
+                        f"stopped{how}."
+                    )
+                else:
+                    lines.append(f"    rank {m} never submitted {st.what}.")
+        for pair in deadlocks.values():
+            # the collective with fewer callers first: the likelier one to be called by a subset
+            a, b = sorted(pair, key=lambda st: (len(st.p.reqs), st.p.t0))
+            sa, sb = sorted(a.p.reqs), sorted(b.p.reqs)
+            if len(sa) != len(sb):
+                few = a if len(sa) < len(sb) else b
+                culprit = (
+                    f"Most likely {few.what} is called by only {_ranks(sorted(few.p.reqs))} "
+                    "(for example inside `if hvd.rank() == 0:`)"
+                )
+            else:
+                culprit = (
+                    "One of them is called by only some ranks (for example inside "
+                    "`if hvd.rank() == 0:`)"
+                )
+            lines.append(
+                f"Deadlock: {_ranks(sa)} wait{'s' if len(sa) == 1 else ''} in {a.what}"
+                f"{self._sites(a.p, d.stacks)} for {_ranks(a.missing)}, while {_ranks(sb)} "
+                f"wait{'s' if len(sb) == 1 else ''} in {b.what}{self._sites(b.p, d.stacks)} "
+                f"for {_ranks(b.missing)}: neither can ever complete. {culprit}, or the ranks "
+                "call collectives in different orders. Every rank of the process set must call "
+                "every collective, in the same order (or with matching names)."
+            )
+        return "\n".join(lines)
 
 
 def _fmt_shape(shape: tuple[int, ...]) -> str:

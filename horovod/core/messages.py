@@ -53,6 +53,8 @@ def display_name(op: int, name: str) -> str:
     for grouped in ("grouped_" + prefix,):
         if name.startswith(grouped):
             short = name[len(grouped) :]
+    if short == "noname":  # barrier(), join()
+        return OP_NAMES.get(op, "?")
     return f"{OP_NAMES.get(op, '?')} '{short}'"
 
 

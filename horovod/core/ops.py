@@ -9,7 +9,7 @@ are joined, so no other op reaches here without an entry.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -35,6 +35,7 @@ from horovod.transport.base import as_bytes
 if TYPE_CHECKING:
     from horovod.core.engine import Entry
 
+Trace = Callable[[str | None], None]
 UFUNCS = {SUM: np.add, AVERAGE: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}
 
 
@@ -84,29 +85,47 @@ def _present(entries: Sequence[Entry | None]) -> list[Entry]:
     return cast("list[Entry]", list(entries))
 
 
+def _no_trace(activity: str | None) -> None:
+    pass
+
+
 def execute(
-    resp: Response, entries: Sequence[Entry | None], t, buffers: Buffers, fusion_threshold: int
+    resp: Response,
+    entries: Sequence[Entry | None],
+    t,
+    buffers: Buffers,
+    trace: Trace = _no_trace,
 ) -> list[object]:
     """Run ``resp`` over transport view ``t``; return one result per entry (the output array,
-    or for alltoall ``(output, received_splits)``)."""
+    or for alltoall ``(output, received_splits)``). ``trace(name)`` marks the start of each
+    activity (timeline spans such as ``MEMCPY_IN_FUSION_BUFFER``); ``trace(None)`` the end."""
     op = resp.op
+    kind = getattr(t, "kind", "DIRECT")
     if op == ALLREDUCE:
-        return _allreduce(resp, entries, t, buffers)
-    if op == ALLGATHER:
-        return _allgather(resp, _present(entries), t, buffers)
-    if op == BROADCAST:
-        return _broadcast(resp, _present(entries), t)
-    if op == ALLTOALL:
-        return _alltoall(resp, _present(entries), t)
-    if op == REDUCESCATTER:
-        return _reducescatter(resp, _present(entries), t, buffers)
-    if op == BARRIER:
+        out = _allreduce(resp, entries, t, buffers, trace, kind)
+    elif op == ALLGATHER:
+        out = _allgather(resp, _present(entries), t, buffers, trace, kind)
+    elif op == BROADCAST:
+        trace(f"{kind}_BCAST")
+        out = _broadcast(resp, _present(entries), t)
+    elif op == ALLTOALL:
+        trace(f"{kind}_ALLTOALL")
+        out = _alltoall(resp, _present(entries), t)
+    elif op == REDUCESCATTER:
+        out = _reducescatter(resp, _present(entries), t, buffers, trace, kind)
+    elif op == BARRIER:
+        trace(f"{kind}_BARRIER")
         alg.barrier(t)
-        return [None] * len(entries)
-    raise AssertionError(f"no executor for op {op}")
+        out = [None] * len(entries)
+    else:
+        raise AssertionError(f"no executor for op {op}")
+    trace(None)
+    return out
 
 
-def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers) -> list:
+def _allreduce(
+    resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers, trace: Trace, kind: str
+) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
     counts = [math.prod(s) for s in resp.shapes]
     post = resp.postscale / t.size if resp.reduce_op == AVERAGE else resp.postscale
@@ -120,11 +139,13 @@ def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
             buf = _flat(e.output)
             if e.output is not e.array:
                 np.copyto(buf, _flat(e.array))
+        trace(f"{kind}_ALLREDUCE")
         scale(buf, resp.prescale)
         alg.allreduce(t, buf, reducer, bufs.scratch)
         scale(buf, post)
         return [None if e is None else e.output]
     total = sum(counts)
+    trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(total * dtype.itemsize, dtype)
     off = 0
     for e, c in zip(entries, counts, strict=False):
@@ -134,9 +155,11 @@ def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
         else:
             np.copyto(seg, _flat(e.array))
         off += c
+    trace(f"{kind}_ALLREDUCE")
     scale(buf, resp.prescale)
     alg.allreduce(t, buf, reducer, bufs.scratch)
     scale(buf, post)
+    trace("MEMCPY_OUT_FUSION_BUFFER")
     off = 0
     results: list = []
     for e, c in zip(entries, counts, strict=False):
@@ -149,12 +172,15 @@ def _allreduce(resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers
     return results
 
 
-def _allgather(resp: Response, entries: list[Entry], t, bufs: Buffers) -> list:
+def _allgather(
+    resp: Response, entries: list[Entry], t, bufs: Buffers, trace: Trace, kind: str
+) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
     assert resp.dim0s is not None
     n, me = t.size, t.rank
     rows = [math.prod(s[1:]) for s in resp.shapes]  # elements per first-dim row
     outputs = []
+    trace("ALLOCATE_OUTPUT")
     for e, s, d0 in zip(entries, resp.shapes, resp.dim0s, strict=True):
         outputs.append(e.alloc((sum(d0),) + tuple(s[1:]), dtype))
     if len(entries) == 1:
@@ -163,12 +189,14 @@ def _allgather(resp: Response, entries: list[Entry], t, bufs: Buffers) -> list:
         flat = _bytes(out)
         start = sum(nbytes[:me])
         flat[start : start + nbytes[me]] = _bytes(e.array)
+        trace(f"{kind}_ALLGATHER")
         alg.allgatherv(t, flat, nbytes)
         return outputs
     # Fused: rank-major blocks, each block tensor-major.
     per_rank = [
         sum(d0[r] * rows[i] for i, d0 in enumerate(resp.dim0s)) * dtype.itemsize for r in range(n)
     ]
+    trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(sum(per_rank), np.dtype(np.uint8))
     block_start = [sum(per_rank[:r]) for r in range(n)]
     off = block_start[me]
@@ -176,7 +204,9 @@ def _allgather(resp: Response, entries: list[Entry], t, bufs: Buffers) -> list:
         b = _bytes(e.array)
         buf[off : off + b.size] = b
         off += b.size
+    trace(f"{kind}_ALLGATHER")
     alg.allgatherv(t, buf, per_rank)
+    trace("MEMCPY_OUT_FUSION_BUFFER")
     for r in range(n):
         off = block_start[r]
         for i, out in enumerate(outputs):
@@ -216,13 +246,16 @@ def _alltoall(resp: Response, entries: list[Entry], t) -> list:
     return [(out, np.asarray(received, dtype=np.int32))]
 
 
-def _reducescatter(resp: Response, entries: list[Entry], t, bufs: Buffers) -> list:
+def _reducescatter(
+    resp: Response, entries: list[Entry], t, bufs: Buffers, trace: Trace, kind: str
+) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
     n, me = t.size, t.rank
     post = resp.postscale / n if resp.reduce_op == AVERAGE else resp.postscale
     row_counts = [alg.split_even(s[0], n) for s in resp.shapes]
     rows = [math.prod(s[1:]) for s in resp.shapes]
     seg = [sum(rc[r] * rows[i] for i, rc in enumerate(row_counts)) for r in range(n)]
+    trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(sum(seg) * dtype.itemsize, dtype)
     if len(entries) == 1:
         np.copyto(buf, _flat(entries[0].array))  # natural layout is already by destination
@@ -234,9 +267,11 @@ def _reducescatter(resp: Response, entries: list[Entry], t, bufs: Buffers) -> li
                 cnt = row_counts[i][r] * rows[i]
                 np.copyto(buf[off : off + cnt], _flat(e.array)[start : start + cnt])
                 off += cnt
+    trace(f"{kind}_REDUCESCATTER")
     scale(buf, resp.prescale)
     mine = alg.reduce_scatter(t, buf, seg, UFUNCS[resp.reduce_op], bufs.scratch)
     scale(mine, post)
+    trace("MEMCPY_OUT_FUSION_BUFFER")
     results = []
     off = 0
     for i, (e, s) in enumerate(zip(entries, resp.shapes, strict=False)):

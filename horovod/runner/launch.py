@@ -302,11 +302,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind, _, summary = raw.decode("utf-8", "replace").partition("\n")
         return kind, summary
 
+    def diagnosis() -> str | None:
+        raw = server.get("job", "diagnosis")
+        return None if raw is None else raw.decode("utf-8", "replace")
+
     job = Job(
         commands,
         timestamp=a.prefix_output_with_timestamp,
         output_dir=a.output_filename,
         failure_note=failure_note,
+        diagnosis=diagnosis,
     )
 
     def on_signal(signum: int, _frame: object) -> None:

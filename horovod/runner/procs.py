@@ -133,9 +133,11 @@ class Job:
         output_dir: str | None = None,
         grace_seconds: float = 5.0,
         failure_note: Callable[[int], tuple[str, str] | None] | None = None,
+        diagnosis: Callable[[], str | None] | None = None,
     ) -> None:
         self.commands = commands
         self.failure_note = failure_note or (lambda rank: None)
+        self.diagnosis = diagnosis or (lambda: None)
         self.sink = OutputSink(timestamp, output_dir)
         self.grace = grace_seconds
         self.workers: list[Worker] = []
@@ -252,16 +254,15 @@ class Job:
         f = self.root_cause()
         if f is None:
             return ""
+        diagnosis = self.diagnosis()
         lines = ["", "horovodrun: the job failed."]
         for w in sorted(self.workers, key=lambda w: w.rank):
             if w is f:
                 continue
             note = self.failure_note(w.rank)
             if w.stopped_by_us and not (w.exit_code and note):
-                lines.append(
-                    f"  rank {w.rank} ({w.host}): stopped by horovodrun because rank "
-                    f"{f.rank} failed"
-                )
+                because = "the job was stopped" if diagnosis else f"rank {f.rank} failed"
+                lines.append(f"  rank {w.rank} ({w.host}): stopped by horovodrun because {because}")
             elif w.exit_code:
                 why = f" ({note[1]})" if note and note[0] == "root" else ""
                 lines.append(
@@ -272,6 +273,10 @@ class Job:
                 lines.append(f"  rank {w.rank} ({w.host}): finished (exit code 0)")
         note = self.failure_note(f.rank)
         when = time.strftime("%H:%M:%S", time.localtime(f.exit_time))
+        if diagnosis:  # the runtime found the cause itself (the hang doctor's report)
+            lines.append(f"Root cause, as diagnosed by rank 0 at {when}:")
+            lines.extend(f"  {t}" for t in diagnosis.splitlines())
+            return "\n".join(lines)
         if note and note[0] == "root":
             how = exit_description(f.exit_code or 1)
             if f.stopped_by_us:

@@ -35,6 +35,7 @@ def as_bytes(arr: np.ndarray) -> memoryview:
 class Transport(ABC):
     rank: int
     size: int
+    kind = "DIRECT"  # names the data path in timeline activities (TCP_ALLREDUCE, ...)
 
     @abstractmethod
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None: ...
@@ -64,6 +65,7 @@ class SubTransport:
         self.ranks = list(ranks)
         self.rank = self.ranks.index(parent.rank)
         self.size = len(self.ranks)
+        self.kind = parent.kind
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks

@@ -40,6 +40,8 @@ class LoopbackWorld:
 
 
 class LoopbackTransport(Transport):
+    kind = "LOOPBACK"
+
     def __init__(self, rank: int, rnd: _Round) -> None:
         self.rank, self.size, self._r = rank, rnd.size, rnd
 

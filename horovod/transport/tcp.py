@@ -82,6 +82,8 @@ def interface_address(iface: str) -> str:
 
 
 class TcpTransport(Transport):
+    kind = "TCP"
+
     def __init__(
         self,
         rank: int,
