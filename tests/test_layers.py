@@ -37,6 +37,13 @@ FORBIDDEN = {
     ],
     "collectives": ["horovod.core", "horovod.frontend", "horovod.numpy", "horovod.runner"],
     "core": ["horovod.frontend", "horovod.numpy", "horovod.runner", "horovod.testing"],
+    "timeline": [  # the timeline reader works on files alone
+        "horovod.core",
+        "horovod.transport",
+        "horovod.collectives",
+        "horovod.frontend",
+        "horovod.runner",
+    ],
     "runner": [
         "horovod.core",
         "horovod.transport",

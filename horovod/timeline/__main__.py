@@ -1,0 +1,3 @@
+from horovod.timeline.summary import main
+
+raise SystemExit(main())
