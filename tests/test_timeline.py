@@ -220,6 +220,23 @@ def test_wait_stats_arithmetic():
     assert "kept the other ranks waiting 3.500 s" in text
     w.reset(10.0)
     assert w.summary(11.0) is None
+    # waiting for two tensors at once is one wait, not two
+    w.record([(0, 20.0), (1, 21.0)])
+    w.record([(0, 20.0), (1, 21.0)])
+    w.record([(0, 20.5), (1, 22.0)])
+    assert w.waited == pytest.approx([2.0, 0.0, 0.0])
+    assert w.caused == pytest.approx([0.0, 2.0, 0.0])
+
+
+def test_coverage_counts_overlaps_once():
+    from horovod.common.intervals import Coverage
+
+    c = Coverage()
+    assert c.add(0, 1) == 1
+    assert c.add(2, 3) == 1
+    assert c.add(0.5, 4) == pytest.approx(2.0)  # fills the gap and extends: [0, 4]
+    assert c.add(5, 5) == 0
+    assert c.total == pytest.approx(4.0) and c.spans == [[0, 4]]
 
 
 def test_slow_rank_is_attributed_in_log_and_timeline(tmp_path, caplog):
@@ -328,3 +345,38 @@ def test_horovodrun_timeline_flags_and_summary_command(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "allreduce.layer0" in res.stdout and "Per rank" in res.stdout
     assert os.path.getsize(png) > 10_000
+
+
+def test_speedscope_export_names_every_end_and_filters(tmp_path):
+    from horovod.timeline.summary import for_speedscope
+
+    path = str(tmp_path / "tl.json")
+    clock = FakeClock()
+    tl = Timeline(path, clock=clock)
+    for _ in range(3):
+        for name in ("allreduce.a", "allreduce.b"):
+            tl.negotiate_start(name, "allreduce")
+            tl.negotiate_rank_ready(name, 0)
+            tl.negotiate_end(name)
+            tl.op_start(name, "allreduce")
+            tl.activity([name], "TCP_ALLREDUCE")
+            clock.t += 0.001
+            tl.op_end(name, "float32", (2,))
+    tl.close()
+    out = for_speedscope(read(path), "allreduce.b", first=2, count=2)
+    body = [e for e in out if e["ph"] != "M"]
+    assert all(e["tid"] == 0 and e["name"] for e in body)
+    assert [(e["ph"], e["name"]) for e in body] == [
+        ("B", "NEGOTIATE_ALLREDUCE"),
+        ("E", "NEGOTIATE_ALLREDUCE"),
+        ("B", "ALLREDUCE"),
+        ("B", "TCP_ALLREDUCE"),
+        ("E", "TCP_ALLREDUCE"),
+        ("E", "ALLREDUCE"),
+    ]
+    assert {e["pid"] for e in body} == {2}
+    with pytest.raises(ValueError, match="no tensor named 'zzz'"):
+        for_speedscope(read(path), "zzz")
+    dst = str(tmp_path / "ss.json")
+    assert summary_main(["speedscope", path, dst]) == 0
+    assert len(read(dst)) > len(body)

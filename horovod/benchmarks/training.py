@@ -2,6 +2,7 @@
 
     python -m horovod.benchmarks.training                      # convnet and mlp200
     python -m horovod.benchmarks.training --models resnet_small --steps 40
+    python -m horovod.benchmarks.training --timeline-overhead   # timeline on vs off, 2 ranks
 
 Every rank is one process with one thread (``torch.set_num_threads(1)``), training on a fixed
 synthetic batch. Printed per model: samples/s (all ranks together) of a plain single process,
@@ -107,6 +108,27 @@ def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) ->
     return value
 
 
+def timeline_overhead(models: list[str], steps: int, warmup: int, batch: int, repeats: int) -> None:
+    """horovod.torch at 2 ranks with and without a timeline being written (interleaved runs,
+    best of ``repeats`` each): what recording costs."""
+    print("| model | timeline off (samples/s) | timeline on | on/off | timeline events |")
+    print("|---|---|---|---|---|")
+    for model in models:
+        off, on, events = 0.0, 0.0, 0
+        for _ in range(repeats):
+            off = max(off, run("horovod", 2, model, steps, warmup, batch))
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "timeline.json")
+                os.environ["HOROVOD_TIMELINE"] = path
+                try:
+                    on = max(on, run("horovod", 2, model, steps, warmup, batch))
+                finally:
+                    del os.environ["HOROVOD_TIMELINE"]
+                with open(path) as f:
+                    events = len(json.load(f))
+        print(f"| {model} | {off:.0f} | {on:.0f} | {on / off:.3f} | {events} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="convnet,mlp200")
@@ -114,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept)")
+    ap.add_argument(
+        "--timeline-overhead", action="store_true", help="measure timeline on vs off instead"
+    )
     ap.add_argument("--worker", choices=["plain", "horovod", "ddp"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -124,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
         f"{a.steps} timed steps, best of {a.repeats}; samples/s of all ranks together\n"
     )
+    if a.timeline_overhead:
+        timeline_overhead(a.models.split(","), a.steps, a.warmup, a.batch_size, a.repeats)
+        return 0
     print(
         "| model | plain 1 proc | horovod 1 | horovod 2 | DDP 1 | DDP 2 | horovod eff. "
         "(vs 1 rank / vs plain) | DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |"

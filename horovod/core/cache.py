@@ -27,10 +27,13 @@ class ResponseCache:
         self.grave: OrderedDict[int, Response] = OrderedDict()
         self.next_id = 0
         self.evictions = 0
+        # Autotune switches the cache off and on at the same point of the response stream on
+        # every rank; the entries are kept meanwhile, so every copy stays identical.
+        self.suspended = False
 
     @property
     def enabled(self) -> bool:
-        return self.capacity > 0
+        return self.capacity > 0 and not self.suspended
 
     def lookup(self, name: str, signature: tuple, set_rank: int) -> int | None:
         """The id of the cached response for ``name`` if this rank's request still matches it."""

@@ -12,11 +12,13 @@ import atexit
 import contextvars
 import faulthandler
 import itertools
+import logging
 import os
 import signal
 import sys
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.core.autotune import Autotuner, Params
 from horovod.core.engine import Engine, Handle
 from horovod.core.messages import decode, encode
 from horovod.core.timeline import Timeline
@@ -122,7 +125,7 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
     else:
         cfg = Config.from_env(env)
         log.configure(cfg.log_level, cfg.log_hide_time)
-    new = Context(cfg, spec, static)
+    new = Context(cfg, spec, static, env)
     with _lock:
         if spec is not None:
             _thread_ctx.set(new)
@@ -168,6 +171,33 @@ def shutdown(why: str = "called shutdown()") -> None:
         _process_ctx = None
 
 
+def _autotuner(cfg: Config, env: Mapping[str, str] | None) -> Autotuner:
+    """Rank 0's tuner. Knobs the user set explicitly stay fixed, as upstream."""
+    env = env or {}
+
+    def given(name: str) -> bool:
+        return bool(env.get(name, "").strip())
+
+    def report(text: str) -> None:
+        if log.logger.isEnabledFor(logging.INFO):
+            log.logger.info(text)
+        else:  # asked for with --autotune: worth showing at the default log level too
+            print(f"[horovod] {text}", flush=True)
+
+    return Autotuner(
+        Params(cfg.fusion_threshold, cfg.cycle_time_ms, cfg.cache_capacity > 0),
+        tune_fusion=not given("HOROVOD_FUSION_THRESHOLD"),
+        tune_cycle=not given("HOROVOD_CYCLE_TIME"),
+        tune_cache=cfg.cache_capacity > 0 and not given("HOROVOD_CACHE_CAPACITY"),
+        warmup_samples=cfg.autotune_warmup_samples,
+        steps_per_sample=cfg.autotune_steps_per_sample,
+        max_samples=cfg.autotune_bayes_opt_max_samples,
+        noise=cfg.autotune_gaussian_process_noise,
+        log_file=cfg.autotune_log,
+        report=report,
+    )
+
+
 def _register_stack_dump() -> bool:
     """Let SIGUSR1 dump this process's Python stacks to stderr (faulthandler works even while
     the interpreter is stuck in C code). Only when nobody else uses SIGUSR1."""
@@ -199,7 +229,13 @@ def _local_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
 
 
 class Context:
-    def __init__(self, cfg: Config, spec: RankSpec | None, static_sets: list[ProcessSet]) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        spec: RankSpec | None,
+        static_sets: list[ProcessSet],
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.config = cfg
         self.rank, self.size = cfg.rank, cfg.size
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
@@ -221,6 +257,7 @@ class Context:
         store, transport = self._connect(cfg, spec, scope)
         self.store = store
         self.timeline: Timeline | None = None
+        self.autotuner: Autotuner | None = None
         stall_on = not cfg.stall_check_disable and cfg.stall_check_time_seconds > 0
         dumps = spec is None and cfg.size > 1 and stall_on and _register_stack_dump()
         try:
@@ -237,6 +274,7 @@ class Context:
             }
             if cfg.rank == 0 and cfg.timeline and cfg.timeline.upper() != "DYNAMIC":
                 self.timeline = Timeline(cfg.timeline, cfg.timeline_mark_cycles)
+            self.autotuner = _autotuner(cfg, env) if cfg.autotune and cfg.rank == 0 else None
             self.engine = Engine(
                 cfg.rank,
                 cfg.size,
@@ -256,11 +294,14 @@ class Context:
                 wait_summary_seconds=cfg.wait_summary_seconds,
                 on_fatal_report=self._record_diagnosis,
                 timeline=self.timeline,
+                autotuner=self.autotuner,
             )
         except BaseException:
             transport.close()
             if self.timeline is not None:
                 self.timeline.close()
+            if self.autotuner is not None:
+                self.autotuner.close()
             raise
         self.public_sets: dict[int, ProcessSet] = {0: global_process_set}
         for i, ps in enumerate(static_sets, start=1):
@@ -382,6 +423,8 @@ class Context:
         self.stopped = True
         self.engine.stop(why, timeout=max(10.0, self.config.timeout_seconds))
         self.stop_timeline()
+        if self.autotuner is not None:
+            self.autotuner.close()
         for ps_id, ps in list(self.public_sets.items()):
             if ps_id != 0 and ps.process_set_id == ps_id:
                 ps.process_set_id = None

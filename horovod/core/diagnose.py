@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterable, Sequence
 from types import FrameType
 
+from horovod.common.intervals import Coverage
+
 _PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBS = tuple(
     {os.path.abspath(p) for k in ("stdlib", "platstdlib") if (p := sysconfig.get_paths().get(k))}
@@ -100,7 +102,9 @@ def format_stacks(stacks: Sequence[ThreadStack], indent: str = "      ", depth: 
 
 class WaitStats:
     """Wait attribution over a window: for every negotiated collective, each rank waited from
-    its own request to the last rank's request; the last rank is the one everybody waited for."""
+    its own request to the last rank's request; the last rank is the one everybody waited for.
+    A rank's waiting is wall-clock time (overlapping waits for several tensors count once), and
+    each new second of it is charged to the rank that was last."""
 
     def __init__(self, size: int, start: float) -> None:
         self.size = size
@@ -109,9 +113,14 @@ class WaitStats:
     def reset(self, start: float) -> None:
         self.start = start
         self.count = 0
-        self.waited = [0.0] * self.size  # seconds each rank spent waiting
+        self.cover = [Coverage() for _ in range(self.size)]
         self.caused = [0.0] * self.size  # seconds of others' waiting each rank caused
         self.last = [0] * self.size  # how often each rank was the last to submit
+
+    @property
+    def waited(self) -> list[float]:
+        """Seconds each rank spent waiting for slower ranks."""
+        return [c.total for c in self.cover]
 
     def record(self, arrivals: Iterable[tuple[int, float]]) -> tuple[int, float] | None:
         """Add one collective; returns (slowest rank, longest wait) or None for a lone rank."""
@@ -121,10 +130,9 @@ class WaitStats:
         last_rank, t_last = max(items, key=lambda kv: kv[1])
         longest = 0.0
         for r, t in items:
-            w = t_last - t
-            self.waited[r] += w
-            self.caused[last_rank] += w
-            longest = max(longest, w)
+            if r != last_rank:
+                self.caused[last_rank] += self.cover[r].add(t, t_last)
+                longest = max(longest, t_last - t)
         self.last[last_rank] += 1
         self.count += 1
         return last_rank, longest
@@ -140,5 +148,5 @@ class WaitStats:
             f"Wait attribution over the last {span:.1f} s ({self.count} collectives): rank "
             f"{worst} was the last to submit {self.last[worst]} of them ({share:.0f}%) and kept "
             f"the other ranks waiting {self.caused[worst]:.3f} s in total. Time each rank "
-            f"waited for the slowest one: {per_rank}."
+            f"waited for slower ranks: {per_rank}."
         )

@@ -41,6 +41,7 @@ from horovod.common.dtypes import DTYPE_OF_CODE, NAME_OF_CODE
 from horovod.common.exceptions import HorovodInternalError, TransportError, shutdown_message
 from horovod.common.log import logger
 from horovod.core import ops
+from horovod.core.autotune import Autotuner
 from horovod.core.cache import ResponseCache
 from horovod.core.diagnose import (
     WaitStats,
@@ -195,6 +196,7 @@ class Engine:
         wait_summary_seconds: float = 0.0,
         on_fatal_report: Callable[[str], None] | None = None,
         timeline: Timeline | None = None,
+        autotuner: Autotuner | None = None,
     ) -> None:
         self.rank, self.size, self.transport = rank, size, transport
         self.fusion_threshold = fusion_threshold
@@ -207,6 +209,7 @@ class Engine:
         self.stack_signal_pids = stack_signal_pids or {}
         self.on_fatal_report = on_fatal_report or (lambda text: None)
         self.timeline = timeline  # only ever set on rank 0
+        self.autotuner = autotuner  # only ever set on rank 0
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.table: dict[tuple[int, str], Entry] = {}
         self.running: list[Entry | None] = []  # entries of the response being executed
@@ -414,7 +417,7 @@ class Engine:
             if lst is not None:
                 lists.append(lst)
         for msg in lists:
-            if not self._process_list(msg[1], msg[2]):
+            if not self._process_list(msg[1], msg[2], msg[3]):
                 return False
         return True
 
@@ -449,13 +452,17 @@ class Engine:
             self.transport.send_ctrl(0, encode(("Q", items)))
 
     # ------------------------------------------------------------------ executing responses
-    def _process_list(self, items: list[tuple], shutdown_why: str | None) -> bool:
+    def _process_list(
+        self, items: list[tuple], shutdown_why: str | None, params: tuple | None = None
+    ) -> bool:
         self.stats["cycles"] += 1
         for item in items:
             resp = self._decode_response(item)
             if resp is None:
                 continue
             self._execute(resp)
+        if params is not None:  # autotune: every rank switches at this same point
+            self.apply_params(params)
         if shutdown_why is not None:
             self.closing = True
             with self.lock:
@@ -536,6 +543,27 @@ class Engine:
         for e, r in zip(entries, results, strict=False):
             if e is not None:
                 e.handle._complete(e.index, r)
+        if self.autotuner is not None and op == ALLREDUCE and resp.ps_id == 0:
+            self._autotune(resp)
+
+    def _autotune(self, resp: Response) -> None:
+        assert self.autotuner is not None and self.coordinator is not None
+        item = DTYPE_OF_CODE[resp.dtype].itemsize
+        nbytes = resp.nbytes(item)
+        new = self.autotuner.record(resp.names, nbytes, self.clock())
+        if new is not None:
+            # Fusion and cycle time act on the coordinator only: at once. The cache flag
+            # travels with the next response list, which every rank applies at its end.
+            self.fusion_threshold = new.fusion_bytes
+            self.cycle_s = new.cycle_ms / 1000.0
+            self.coordinator.pending_params = new.wire()
+
+    def apply_params(self, params: tuple) -> None:
+        fusion, cycle_ms, cache = params
+        self.fusion_threshold = int(fusion)
+        self.cycle_s = float(cycle_ms) / 1000.0
+        for ss in self.sets.values():
+            ss.cache.suspended = not cache
 
     def _apply_process_set_op(self, resp: Response) -> None:
         with self.lock:
@@ -681,6 +709,7 @@ class _Coordinator:
         self.wait_period = wait_summary_seconds
         self.diagnosis: _Diagnosis | None = None
         self.tokens = 0
+        self.pending_params: tuple | None = None  # autotune's next parameters, for every rank
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -829,7 +858,8 @@ class _Coordinator:
         items = self._fuse(built)
         if e.timeline is not None:
             e.timeline.cycle()
-        msg = ("P", items, self.shutdown_why)
+        msg = ("P", items, self.shutdown_why, self.pending_params)
+        self.pending_params = None
         if e.size > 1:
             wire = encode(msg)
             for p in range(1, e.size):

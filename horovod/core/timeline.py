@@ -29,22 +29,26 @@ _STOP = object()
 
 
 class TimelineWriter:
-    """Appends records to the file from a background thread; the file stays valid JSON."""
+    """Appends records to the file from a background thread; the file stays valid JSON.
+    Records arrive as preformatted JSON text (cheap to make on the engine thread), singly or in
+    lists."""
 
     def __init__(self, path: str, start_wall_us: int) -> None:
         self.path = path
         # Opened here, in the caller's thread, so a bad path fails loudly at once.
         self._f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed by the writer thread
         head = [
-            {
-                "name": "process_name",
-                "ph": "M",
-                "pid": 0,
-                "args": {"start_time_since_epoch_in_micros": start_wall_us},
-            },
-            {"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}},
+            _dump(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": 0,
+                    "args": {"start_time_since_epoch_in_micros": start_wall_us},
+                }
+            ),
+            _dump({"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}}),
         ]
-        first = b"[\n" + b",\n".join(_dump(r) for r in head)
+        first = ("[\n" + ",\n".join(head)).encode()
         self._f.write(first + b"\n]\n")
         self._f.flush()
         self._end = len(first)  # offset of the closing "\n]\n"
@@ -53,7 +57,7 @@ class TimelineWriter:
         self._thread = threading.Thread(target=self._run, name="horovod-timeline", daemon=True)
         self._thread.start()
 
-    def put(self, record: dict[str, Any]) -> None:
+    def put(self, record: str | list[str]) -> None:
         self._q.put(record)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -65,17 +69,22 @@ class TimelineWriter:
         try:
             stop = False
             while not stop:
-                batch = [self._q.get()]
+                items = [self._q.get()]
                 while True:
                     try:
-                        batch.append(self._q.get_nowait())
+                        items.append(self._q.get_nowait())
                     except queue.Empty:
                         break
-                if batch[-1] is _STOP or any(r is _STOP for r in batch):
-                    stop = True
-                    batch = [r for r in batch if r is not _STOP]
+                batch: list[str] = []
+                for it in items:
+                    if it is _STOP:
+                        stop = True
+                    elif isinstance(it, list):
+                        batch.extend(it)
+                    else:
+                        batch.append(it)
                 if batch:
-                    body = b"".join(b",\n" + _dump(r) for r in batch)
+                    body = (",\n" + ",\n".join(batch)).encode()
                     self._f.seek(self._end)
                     self._f.write(body + b"\n]\n")
                     self._f.flush()
@@ -85,12 +94,17 @@ class TimelineWriter:
             self._f.close()
 
 
-def _dump(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, separators=(",", ":")).encode()
+def _dump(record: dict[str, Any]) -> str:
+    return json.dumps(record, separators=(",", ":"))
+
+
+_ESC = json.encoder.encode_basestring  # type: ignore[attr-defined]
 
 
 class Timeline:
-    """The semantic events of upstream's timeline, turned into trace records."""
+    """The semantic events of upstream's timeline, turned into trace records. Records are
+    formatted with ``%`` templates (names are JSON-escaped once per tensor), because a step of
+    a model with hundreds of small tensors makes thousands of them."""
 
     def __init__(
         self,
@@ -116,81 +130,92 @@ class Timeline:
         pid = self._pids.get(row)
         if pid is None:
             pid = self._pids[row] = len(self._pids) + 1
-            self.writer.put({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": row}})
             self.writer.put(
-                {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}
+                [
+                    '{"name":"process_name","ph":"M","pid":%d,"args":{"name":%s}}'
+                    % (pid, _ESC(row)),
+                    '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}'
+                    % (pid, pid),
+                ]
             )
         return pid
 
-    def _put(self, ph: str, row: str, name: str | None, t: float | None, **extra: Any) -> None:
-        rec: dict[str, Any] = {"ph": ph}
-        if name is not None:
-            rec["name"] = name
-        rec["ts"] = self._ts(t)
-        rec["pid"] = self._pid(row)
-        rec.update(extra)
-        self.writer.put(rec)
+    def _begin(self, row: str, name: str, ts: int) -> str:
+        return '{"ph":"B","name":"%s","ts":%d,"pid":%d}' % (name, ts, self._pid(row))
+
+    def _end(self, row: str, ts: int, args: str = "") -> str:
+        if args:
+            return '{"ph":"E","ts":%d,"pid":%d,"args":%s}' % (ts, self._pid(row), args)
+        return '{"ph":"E","ts":%d,"pid":%d}' % (ts, self._pid(row))
 
     # ----------------------------------------------------------------- negotiation
     def negotiate_start(self, row: str, op_name: str, t: float | None = None) -> None:
         if row in self._state:
             return
         self._state[row] = "negotiating"
-        self._put("B", row, f"NEGOTIATE_{op_name.upper()}", t)
+        self.writer.put(self._begin(row, "NEGOTIATE_" + op_name.upper(), self._ts(t)))
 
     def negotiate_rank_ready(self, row: str, rank: int, t: float | None = None) -> None:
         if self._state.get(row) == "negotiating":
-            self._put("X", row, str(rank), t, dur=0)
+            self.writer.put(
+                '{"ph":"X","name":"%d","ts":%d,"pid":%d,"dur":0}'
+                % (rank, self._ts(t), self._pid(row))
+            )
 
     def negotiate_end(self, row: str, t: float | None = None, **args: Any) -> None:
         if self._state.get(row) != "negotiating":
             return
         del self._state[row]
-        if args:
-            self._put("E", row, None, t, args=args)
-        else:
-            self._put("E", row, None, t)
+        self.writer.put(self._end(row, self._ts(t), _dump(args) if args else ""))
 
     # ----------------------------------------------------------------- execution
     def op_start(self, row: str, op_name: str) -> None:
         if self._state.get(row) == "negotiating":  # e.g. started while it negotiated
             self.negotiate_end(row)
         self._state[row] = "op"
-        self._put("B", row, op_name.upper(), None)
+        self.writer.put(self._begin(row, op_name.upper(), self._ts()))
 
     def activity(self, rows: list[str], name: str | None) -> None:
         """End the rows' current activity (if any) and start ``name`` (unless None)."""
+        ts = self._ts()
+        out = []
+        state = self._state
         for row in rows:
-            state = self._state.get(row)
-            if state is None:
+            st = state.get(row)
+            if st is None:
                 continue
-            if state == "activity":
-                self._put("E", row, None, None)
-                self._state[row] = "op"
+            if st == "activity":
+                out.append(self._end(row, ts))
+                state[row] = "op"
             if name is not None:
-                self._put("B", row, name, None)
-                self._state[row] = "activity"
+                out.append(self._begin(row, name, ts))
+                state[row] = "activity"
+        if out:
+            self.writer.put(out)
 
     def op_end(self, row: str, dtype: str | None = None, shape: Any = None) -> None:
         state = self._state.pop(row, None)
         if state is None:
             return
+        ts = self._ts()
+        out = []
         if state == "activity":
-            self._put("E", row, None, None)
+            out.append(self._end(row, ts))
         if dtype is None:
-            self._put("E", row, None, None)
+            out.append(self._end(row, ts))
         else:
-            self._put("E", row, None, None, args={"dtype": dtype, "shape": str(list(shape))})
+            out.append(self._end(row, ts, '{"dtype":"%s","shape":"%s"}' % (dtype, list(shape))))
+        self.writer.put(out)
 
     # ----------------------------------------------------------------- job-wide rows
     def cycle(self) -> None:
         if self.mark_cycles:
-            self.writer.put(
-                {"ph": "i", "name": "CYCLE_START", "ts": self._ts(), "pid": 0, "s": "g"}
-            )
+            self.writer.put('{"ph":"i","name":"CYCLE_START","ts":%d,"pid":0,"s":"g"}' % self._ts())
 
     def counter(self, name: str, values: dict[str, float]) -> None:
-        self.writer.put({"ph": "C", "name": name, "ts": self._ts(), "pid": 0, "args": values})
+        self.writer.put(
+            _dump({"ph": "C", "name": name, "ts": self._ts(), "pid": 0, "args": values})
+        )
 
     def close(self) -> None:
         if not self.closed:

@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from horovod.common.intervals import Coverage
+
 
 @dataclass
 class TensorTotals:
@@ -118,7 +120,7 @@ def summarize(events: list[dict[str, Any]], path: str = "") -> Summary:
             per_pid[pid].append(ev)
     tensors: dict[str, TensorTotals] = {}
     ranks: dict[int, RankTotals] = {}
-    negotiations = 0
+    negotiations: list[dict[int, float]] = []
     for pid, evs in per_pid.items():
         tot = tensors.setdefault(names.get(pid, f"pid {pid}"), TensorTotals(names.get(pid, "")))
         if not tot.name:
@@ -144,19 +146,26 @@ def summarize(events: list[dict[str, Any]], path: str = "") -> Summary:
                 elif name.startswith("NEGOTIATE_"):
                     tot.negotiate_s += dur
                     if len(ticks) >= 2:
-                        negotiations += 1
-                        last_rank = max(ticks, key=lambda r: ticks[r])
-                        for r, t in ticks.items():
-                            w = (ticks[last_rank] - t) / 1e6
-                            ranks.setdefault(r, RankTotals(r)).waited_s += w
-                            ranks.setdefault(last_rank, RankTotals(last_rank)).caused_s += w
-                        ranks[last_rank].last += 1
+                        negotiations.append(ticks)
                 else:
                     tot.op_s += dur
                     tot.ops += 1
+    # Waiting is wall-clock time per rank (waits for several tensors at once count once),
+    # each new second of it charged to the rank that was last; as the runtime's WaitStats.
+    cover: dict[int, Coverage] = defaultdict(Coverage)
+    for ticks in sorted(negotiations, key=lambda t: max(t.values())):
+        last_rank = max(ticks, key=lambda r: ticks[r])
+        t_last = ticks[last_rank] / 1e6
+        ranks.setdefault(last_rank, RankTotals(last_rank)).last += 1
+        for r, t in ticks.items():
+            ranks.setdefault(r, RankTotals(r))
+            if r != last_rank:
+                ranks[last_rank].caused_s += cover[r].add(t / 1e6, t_last)
+    for r, c in cover.items():
+        ranks[r].waited_s = c.total
     ordered = sorted(tensors.values(), key=lambda t: -t.total_s)
     duration = ((t_max or 0) - (t_min or 0)) / 1e6
-    return Summary(path, duration, ordered, [ranks[r] for r in sorted(ranks)], negotiations)
+    return Summary(path, duration, ordered, [ranks[r] for r in sorted(ranks)], len(negotiations))
 
 
 def plot(summary: Summary, out: str, top: int = 15) -> None:
@@ -201,6 +210,49 @@ def plot(summary: Summary, out: str, top: int = 15) -> None:
     plt.close(fig)
 
 
+def for_speedscope(
+    events: list[dict[str, Any]], tensor: str | None = None, first: int = 0, count: int = 0
+) -> list[dict[str, Any]]:
+    """The trace in the form speedscope (and other flame-graph viewers) import: every record
+    gets a ``tid`` and every ``E`` the name of the span it ends; readiness ticks are left out.
+    Optionally only one tensor's row, and only its operations ``first`` .. ``first+count-1``."""
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {})
+    }
+    keep = {p for p, n in names.items() if tensor is None or n == tensor}
+    if tensor is not None and not keep:
+        raise ValueError(f"no tensor named {tensor!r} in the timeline")
+    out: list[dict[str, Any]] = []
+    stacks: dict[int, list[str]] = defaultdict(list)
+    seen: dict[int, int] = defaultdict(int)
+    for e in events:
+        pid = e.get("pid", 0)
+        if e.get("ph") == "M":
+            if pid == 0 or pid in keep:
+                out.append(e)
+            continue
+        if pid not in keep or e.get("ph") not in ("B", "E"):
+            continue
+        stack = stacks[pid]
+        if e["ph"] == "B":
+            if not stack:
+                seen[pid] += 1
+            stack.append(str(e.get("name", "")))
+            rec = dict(e)
+        else:
+            if not stack:
+                continue
+            rec = dict(e, name=stack.pop())
+        n = seen[pid] - 1  # index of the top-level span this record belongs to
+        if count and not first <= n < first + count:
+            continue
+        rec["tid"] = 0
+        out.append(rec)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m horovod.timeline",
@@ -212,7 +264,23 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--plot", help="PNG to write (default: <file without .json>.summary.png)")
     s.add_argument("--no-plot", action="store_true", help="only print the totals")
     s.add_argument("--top", type=int, default=20, help="tensors to list (default 20)")
+    v = sub.add_parser("speedscope", help="write a copy that speedscope can open")
+    v.add_argument("file")
+    v.add_argument("out")
+    v.add_argument("--tensor", help="only this tensor's row (e.g. allreduce.fc1.weight)")
+    v.add_argument("--first", type=int, default=0, help="first top-level span to keep")
+    v.add_argument("--count", type=int, default=0, help="how many top-level spans (0: all)")
     a = p.parse_args(argv)
+    if a.command == "speedscope":
+        try:
+            events = for_speedscope(load(a.file), a.tensor, a.first, a.count)
+            with open(a.out, "w", encoding="utf-8") as f:
+                json.dump(events, f)
+        except (OSError, ValueError) as e:
+            print(f"python -m horovod.timeline: {e}", file=sys.stderr)
+            return 2
+        print(f"{len(events)} records written to {a.out}; open it at https://www.speedscope.app")
+        return 0
     try:
         summary = summarize(load(a.file), a.file)
     except (OSError, ValueError) as e:
