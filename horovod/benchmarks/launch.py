@@ -14,11 +14,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(launcher: str, np_: int, module_args: list[str]) -> tuple[list[str], dict]:
+def command(
+    launcher: str, np_: int, module_args: list[str], extra_env: dict[str, str] | None = None
+) -> tuple[list[str], dict]:
     """The command that runs ``python -m <module_args>`` on ``np_`` ranks with ``launcher``:
     ``horovodrun``, ``torchrun`` (torch.distributed.run), ``mpirun`` or ``none`` (one plain
     process)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     me = [sys.executable, "-m", *module_args]
     if launcher == "none":
         return me, env
@@ -51,11 +53,13 @@ def command(launcher: str, np_: int, module_args: list[str]) -> tuple[list[str],
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
-def run(launcher: str, np_: int, module_args: list[str]) -> None:
+def run(
+    launcher: str, np_: int, module_args: list[str], extra_env: dict[str, str] | None = None
+) -> None:
     """Run to completion; one retry (torchrun's port can be taken between pick and bind);
     RuntimeError with the end of stderr if it fails twice."""
     for attempt in range(2):
-        cmd, env = command(launcher, np_, module_args)
+        cmd, env = command(launcher, np_, module_args, extra_env)
         r = subprocess.run(
             cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )

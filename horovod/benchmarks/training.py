@@ -83,7 +83,15 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
             json.dump({"samples_per_s": size * batch * steps / seconds}, f)
 
 
-def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
+def run(
+    kind: str,
+    np_: int,
+    model: str,
+    steps: int,
+    warmup: int,
+    batch: int,
+    extra_env: dict[str, str] | None = None,
+) -> float:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     args = [
         "horovod.benchmarks.training",
@@ -101,7 +109,7 @@ def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) ->
         out,
     ]
     launcher = {"plain": "none", "horovod": "horovodrun", "ddp": "torchrun"}[kind]
-    launch.run(launcher, np_, args)
+    launch.run(launcher, np_, args, extra_env)
     with open(out) as f:
         value = json.load(f)["samples_per_s"]
     os.unlink(out)
@@ -119,11 +127,8 @@ def timeline_overhead(models: list[str], steps: int, warmup: int, batch: int, re
             off = max(off, run("horovod", 2, model, steps, warmup, batch))
             with tempfile.TemporaryDirectory() as d:
                 path = os.path.join(d, "timeline.json")
-                os.environ["HOROVOD_TIMELINE"] = path
-                try:
-                    on = max(on, run("horovod", 2, model, steps, warmup, batch))
-                finally:
-                    del os.environ["HOROVOD_TIMELINE"]
+                tl = {"HOROVOD_TIMELINE": path}
+                on = max(on, run("horovod", 2, model, steps, warmup, batch, tl))
                 with open(path) as f:
                     events = len(json.load(f))
         print(f"| {model} | {off:.0f} | {on:.0f} | {on / off:.3f} | {events} |", flush=True)

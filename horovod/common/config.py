@@ -132,19 +132,34 @@ class Config:
         "HOROVOD_LOG_HIDE_TIME", False, "Leave timestamps out of log lines."
     )
     # --- autotune -------------------------------------------------------------------------
-    autotune: bool = _knob("HOROVOD_AUTOTUNE", False, "Enable autotuning.")
-    autotune_log: str = _knob("HOROVOD_AUTOTUNE_LOG", "", "CSV log of autotune trials.")
+    autotune: bool = _knob(
+        "HOROVOD_AUTOTUNE",
+        False,
+        "Tune fusion threshold, cycle time and response cache while training (rank 0 decides).",
+    )
+    autotune_log: str = _knob(
+        "HOROVOD_AUTOTUNE_LOG", "", "CSV file with one row per configuration autotune scored."
+    )
     autotune_warmup_samples: int = _knob(
-        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, "Autotune samples discarded.", minimum=0
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, "Autotune samples discarded at the start.", minimum=0
     )
     autotune_steps_per_sample: int = _knob(
-        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, "Steps per autotune sample.", minimum=1
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+        10,
+        "Training steps (allreduces of one tensor) per autotune sample.",
+        minimum=1,
     )
     autotune_bayes_opt_max_samples: int = _knob(
-        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, "Bayesian optimisation samples.", minimum=1
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+        20,
+        "Configurations the Bayesian optimisation scores.",
+        minimum=1,
     )
     autotune_gaussian_process_noise: float = _knob(
-        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", 0.8, "Gaussian process noise.", minimum=0
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+        0.8,
+        "Observation noise of the Gaussian process (on standardised scores).",
+        minimum=0,
     )
     # --- identity (the launcher contract) ---------------------------------------------------
     rank: int = _knob("HOROVOD_RANK", 0, "Global rank of this process.", minimum=0)
