@@ -37,6 +37,7 @@ MiB = 1024 * 1024
 SAMPLES_PER_CONFIG = 5
 FUSION_MB_BOUNDS = (0.0, 64.0)
 CYCLE_MS_BOUNDS = (1.0, 100.0)
+MIN_GAIN = 0.02  # a winner must beat the baseline by this much when both are measured again
 TEST_POINTS = ((4.0, 5.0), (32.0, 50.0), (16.0, 25.0), (8.0, 10.0))  # upstream's (MB, ms)
 COLUMNS = [
     "hierarchical_allreduce",
@@ -75,7 +76,20 @@ def _mib(n: int) -> str:
     return f"{n / MiB:.3g} MiB"
 
 
-def explain(start: Params, best: Params, start_score: float, best_score: float) -> str:
+def _describe(p: Params) -> str:
+    return (
+        f"fusion {_mib(p.fusion_bytes)}, cycle {p.cycle_ms:.3g} ms, response cache "
+        f"{'on' if p.cache else 'off'}"
+    )
+
+
+def explain(
+    start: Params,
+    best: Params,
+    start_score: float,
+    best_score: float,
+    rejected: tuple[Params, float] | None = None,
+) -> str:
     changes = []
     if best.fusion_bytes != start.fusion_bytes:
         changes.append(f"fusion {_mib(start.fusion_bytes)} -> {_mib(best.fusion_bytes)}")
@@ -87,11 +101,16 @@ def explain(start: Params, best: Params, start_score: float, best_score: float) 
         )
     rate = f"{best_score / 1e6:.1f} MB/s allreduced"
     if not changes:
+        why = "no candidate scored higher"
+        if rejected is not None:
+            gain = 100.0 * (rejected[1] / start_score - 1.0) if start_score > 0 else 0.0
+            why = (
+                f"the best candidate ({_describe(rejected[0])}) was {gain:+.1f}% when both "
+                f"were measured again, less than the {MIN_GAIN:.0%} needed to switch"
+            )
         return (
-            f"Autotune finished: keeping the starting configuration (fusion "
-            f"{_mib(start.fusion_bytes)}, cycle {start.cycle_ms:.3g} ms, response cache "
-            f"{'on' if start.cache else 'off'}); no candidate beat it when measured again "
-            f"({rate})."
+            f"Autotune finished: keeping the starting configuration ({_describe(start)}); "
+            f"{why} ({rate})."
         )
     gain = 100.0 * (best_score / start_score - 1.0) if start_score > 0 else float("inf")
     return f"Autotune finished: {', '.join(changes)}: {gain:+.0f}% throughput ({rate})."
@@ -341,9 +360,9 @@ class Autotuner:
             if len(self.confirm) == 1:  # the winner measured again; now the baseline again
                 return self._switch(self.start)
             (winner, w_score), (_, b_score) = self.confirm
-            if w_score > b_score:
+            if w_score > b_score * (1.0 + MIN_GAIN):
                 return self._finish(winner, b_score, w_score)
-            return self._finish(self.start, b_score, b_score)
+            return self._finish(self.start, b_score, b_score, rejected=(winner, w_score))
         return None
 
     def _begin_confirm(self) -> Params | None:
@@ -354,14 +373,20 @@ class Autotuner:
         self.phase = "confirm"
         return self._switch(winner)
 
-    def _finish(self, best: Params, start_score: float, best_score: float) -> Params | None:
+    def _finish(
+        self,
+        best: Params,
+        start_score: float,
+        best_score: float,
+        rejected: tuple[Params, float] | None = None,
+    ) -> Params | None:
         self.done = True
         self.winner = best
         if self._csv is not None and self._log is not None:
             self._csv.writerow(best.row() + [f"{best_score:.1f}"])
             self._log.close()
             self._log = None
-        self.summary = explain(self.start, best, start_score, best_score)
+        self.summary = explain(self.start, best, start_score, best_score, rejected)
         self.report(self.summary)
         self._t0 = None
         if best == self.current:
