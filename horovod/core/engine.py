@@ -511,9 +511,9 @@ class Engine:
         tl = self.timeline
         if op == ERROR:
             if tl is not None:
-                for row in _rows(resp):
-                    tl.op_start(row, "ERROR")
-                    tl.op_end(row)
+                rows = _rows(resp)
+                tl.ops_start(rows, "ERROR")
+                tl.ops_end(rows, None, [()] * len(rows))
             for e in entries:
                 if e is not None:
                     e.handle._complete(e.index, error=resp.error)
@@ -530,14 +530,11 @@ class Engine:
             results = ops.execute(resp, entries, ss.view, self.buffers)
         else:
             rows = _rows(resp)
-            for row in rows:
-                tl.op_start(row, OP_NAMES[op])
+            tl.ops_start(rows, OP_NAMES[op])
             results = ops.execute(
                 resp, entries, ss.view, self.buffers, lambda act: tl.activity(rows, act)
             )
-            dtype = NAME_OF_CODE.get(resp.dtype, "?")
-            for row, shape in zip(rows, resp.shapes, strict=False):
-                tl.op_end(row, dtype, shape)
+            tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
         with self.lock:
             self.running = []
         for e, r in zip(entries, results, strict=False):

@@ -170,42 +170,63 @@ class Timeline:
 
     # ----------------------------------------------------------------- execution
     def op_start(self, row: str, op_name: str) -> None:
-        if self._state.get(row) == "negotiating":  # e.g. started while it negotiated
-            self.negotiate_end(row)
-        self._state[row] = "op"
-        self.writer.put(self._begin(row, op_name.upper(), self._ts()))
+        self.ops_start([row], op_name)
+
+    def ops_start(self, rows: list[str], op_name: str) -> None:
+        ts = self._ts()
+        state = self._state
+        begin = '{"ph":"B","name":"' + op_name.upper() + '","ts":%d,"pid":%d}'
+        out = []
+        for row in rows:
+            if state.get(row) == "negotiating":  # e.g. the timeline started mid-negotiation
+                out.append('{"ph":"E","ts":%d,"pid":%d}' % (ts, self._pid(row)))
+            state[row] = "op"
+            out.append(begin % (ts, self._pid(row)))
+        self.writer.put(out)
 
     def activity(self, rows: list[str], name: str | None) -> None:
         """End the rows' current activity (if any) and start ``name`` (unless None)."""
         ts = self._ts()
         out = []
         state = self._state
+        pid_of = self._pid
+        end = '{"ph":"E","ts":%d,"pid":%d}'
+        begin = '{"ph":"B","name":"' + (name or "") + '","ts":%d,"pid":%d}'
         for row in rows:
             st = state.get(row)
             if st is None:
                 continue
             if st == "activity":
-                out.append(self._end(row, ts))
+                out.append(end % (ts, pid_of(row)))
                 state[row] = "op"
             if name is not None:
-                out.append(self._begin(row, name, ts))
+                out.append(begin % (ts, pid_of(row)))
                 state[row] = "activity"
         if out:
             self.writer.put(out)
 
     def op_end(self, row: str, dtype: str | None = None, shape: Any = None) -> None:
-        state = self._state.pop(row, None)
-        if state is None:
-            return
+        self.ops_end([row], dtype, [shape])
+
+    def ops_end(self, rows: list[str], dtype: str | None, shapes: Any) -> None:
         ts = self._ts()
         out = []
-        if state == "activity":
-            out.append(self._end(row, ts))
-        if dtype is None:
-            out.append(self._end(row, ts))
-        else:
-            out.append(self._end(row, ts, '{"dtype":"%s","shape":"%s"}' % (dtype, list(shape))))
-        self.writer.put(out)
+        for row, shape in zip(rows, shapes, strict=False):
+            state = self._state.pop(row, None)
+            if state is None:
+                continue
+            pid = self._pid(row)
+            if state == "activity":
+                out.append('{"ph":"E","ts":%d,"pid":%d}' % (ts, pid))
+            if dtype is None:
+                out.append('{"ph":"E","ts":%d,"pid":%d}' % (ts, pid))
+            else:
+                out.append(
+                    '{"ph":"E","ts":%d,"pid":%d,"args":{"dtype":"%s","shape":"%s"}}'
+                    % (ts, pid, dtype, list(shape))
+                )
+        if out:
+            self.writer.put(out)
 
     # ----------------------------------------------------------------- job-wide rows
     def cycle(self) -> None:
