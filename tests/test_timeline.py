@@ -117,6 +117,7 @@ def test_file_is_valid_json_after_every_batch(tmp_path):
     for i in range(50):
         tl.negotiate_start(f"t{i}", "allgather")
         tl.negotiate_end(f"t{i}")
+        tl.flush()
         seen.append(len(read(path)))  # the writer thread may be mid-way: still valid
     tl.close()
     assert len(read(path)) == 2 + 50 * 4  # 2 header + per tensor 2 metadata + B + E

@@ -419,6 +419,8 @@ class Engine:
         for msg in lists:
             if not self._process_list(msg[1], msg[2], msg[3]):
                 return False
+        if self.timeline is not None:
+            self.timeline.flush()
         return True
 
     def _send_requests(self, entries: list[Entry]) -> None:
@@ -770,9 +772,7 @@ class _Coordinator:
         p.times[rank] = now
         tl = self.e.timeline
         if tl is not None:
-            row = _row(req.ps_id, req.name)
-            tl.negotiate_start(row, OP_NAMES.get(req.op, "?"), now)
-            tl.negotiate_rank_ready(row, rank, now)
+            tl.negotiate_ready(_row(req.ps_id, req.name), OP_NAMES.get(req.op, "?"), rank, now)
         self._check_ready(req.ps_id, req.name, p)
 
     def _check_ready(self, ps_id: int, name: str, p: _Pending) -> None:
@@ -985,21 +985,24 @@ class _Coordinator:
         return out
 
     # ----------------------------------------------------------- stall inspector / hang doctor
-    def _stalled(self, now: float) -> list[_Stalled]:
+    def _unfinished(self, now: float) -> list[_Stalled]:
+        """Every collective some ranks submitted and others have not, oldest first."""
         out = []
         for ps_id, table in self.tables.items():
             ss = self.e.sets.get(ps_id)
             if ss is None:
                 continue
             for name, p in table.items():
-                waited = now - p.t0
-                if p.ready or waited < self.stall_check:
+                if p.ready:
                     continue
                 missing = [r for r in ss.ranks if r not in p.reqs and r not in self.joined]
                 if missing:
-                    out.append(_Stalled(ps_id, name, p, missing, waited))
+                    out.append(_Stalled(ps_id, name, p, missing, now - p.t0))
         out.sort(key=lambda st: st.p.t0)
         return out
+
+    def _stalled(self, now: float) -> list[_Stalled]:
+        return [st for st in self._unfinished(now) if st.waited >= self.stall_check]
 
     def _stall_check(self, now: float) -> None:
         self.next_stall = now + self.stall_check
@@ -1073,17 +1076,7 @@ class _Coordinator:
 
     def _waiting_in(self, rank: int) -> list[_Stalled]:
         """Collectives ``rank`` submitted that still wait for other ranks."""
-        out = []
-        for ps_id, table in self.tables.items():
-            ss = self.e.sets.get(ps_id)
-            if ss is None:
-                continue
-            for name, p in table.items():
-                if rank in p.reqs and not p.ready:
-                    missing = [r for r in ss.ranks if r not in p.reqs and r not in self.joined]
-                    out.append(_Stalled(ps_id, name, p, missing, 0.0))
-        out.sort(key=lambda st: st.p.t0)
-        return out
+        return [st for st in self._unfinished(self.e.clock()) if rank in st.p.reqs]
 
     def _report_text(self, d: _Diagnosis, silent: list[int], dumped: list[int]) -> str:
         n = len(d.stalled)

@@ -33,8 +33,9 @@ class TimelineWriter:
     Records arrive as preformatted JSON text (cheap to make on the engine thread), singly or in
     lists."""
 
-    def __init__(self, path: str, start_wall_us: int) -> None:
+    def __init__(self, path: str, start_wall_us: int, interval: float = 0.1) -> None:
         self.path = path
+        self.interval = interval
         # Opened here, in the caller's thread, so a bad path fails loudly at once.
         self._f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed by the writer thread
         head = [
@@ -70,6 +71,10 @@ class TimelineWriter:
             stop = False
             while not stop:
                 items = [self._q.get()]
+                if items[0] is not _STOP:
+                    # Let records accumulate: one write per interval instead of a wake-up (and
+                    # a GIL hand-off) per record, which costs training real time.
+                    time.sleep(self.interval)
                 while True:
                     try:
                         items.append(self._q.get_nowait())
@@ -102,9 +107,10 @@ _ESC = json.encoder.encode_basestring  # type: ignore[attr-defined]
 
 
 class Timeline:
-    """The semantic events of upstream's timeline, turned into trace records. Records are
-    formatted with ``%`` templates (names are JSON-escaped once per tensor), because a step of
-    a model with hundreds of small tensors makes thousands of them."""
+    """The semantic events of upstream's timeline, turned into trace records. A step of a model
+    with hundreds of small tensors makes thousands of records, so they are formatted with ``%``
+    templates (names JSON-escaped once per tensor) and collected in a list that the engine hands
+    to the writer once per batch of work (``flush``)."""
 
     def __init__(
         self,
@@ -120,9 +126,18 @@ class Timeline:
         self.path = path
         self._pids: dict[str, int] = {}
         self._state: dict[str, str] = {}  # row -> "negotiating" | "op" | "activity"
+        self._buf: list[str] = []
+        # the response being executed: (op name, start ts, [(activity or None, ts), ...])
+        self._op: tuple[str, int, list[tuple[str | None, int]]] | None = None
         self.closed = False
 
     # ----------------------------------------------------------------- plumbing
+    def flush(self) -> None:
+        """Hand the records made so far to the writer thread."""
+        if self._buf:
+            buf, self._buf = self._buf, []
+            self.writer.put(buf)
+
     def _ts(self, t: float | None = None) -> int:
         return int(((self.clock() if t is None else t) - self.t0) * 1e6)
 
@@ -130,115 +145,124 @@ class Timeline:
         pid = self._pids.get(row)
         if pid is None:
             pid = self._pids[row] = len(self._pids) + 1
-            self.writer.put(
-                [
-                    '{"name":"process_name","ph":"M","pid":%d,"args":{"name":%s}}'
-                    % (pid, _ESC(row)),
-                    '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}'
-                    % (pid, pid),
-                ]
+            self._buf.append(
+                '{"name":"process_name","ph":"M","pid":%d,"args":{"name":%s}}' % (pid, _ESC(row))
+            )
+            self._buf.append(
+                '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}'
+                % (pid, pid)
             )
         return pid
-
-    def _begin(self, row: str, name: str, ts: int) -> str:
-        return '{"ph":"B","name":"%s","ts":%d,"pid":%d}' % (name, ts, self._pid(row))
-
-    def _end(self, row: str, ts: int, args: str = "") -> str:
-        if args:
-            return '{"ph":"E","ts":%d,"pid":%d,"args":%s}' % (ts, self._pid(row), args)
-        return '{"ph":"E","ts":%d,"pid":%d}' % (ts, self._pid(row))
 
     # ----------------------------------------------------------------- negotiation
     def negotiate_start(self, row: str, op_name: str, t: float | None = None) -> None:
         if row in self._state:
             return
         self._state[row] = "negotiating"
-        self.writer.put(self._begin(row, "NEGOTIATE_" + op_name.upper(), self._ts(t)))
+        self._buf.append(
+            '{"ph":"B","name":"NEGOTIATE_%s","ts":%d,"pid":%d}'
+            % (op_name.upper(), self._ts(t), self._pid(row))
+        )
 
     def negotiate_rank_ready(self, row: str, rank: int, t: float | None = None) -> None:
         if self._state.get(row) == "negotiating":
-            self.writer.put(
+            self._buf.append(
                 '{"ph":"X","name":"%d","ts":%d,"pid":%d,"dur":0}'
                 % (rank, self._ts(t), self._pid(row))
             )
 
-    def negotiate_end(self, row: str, t: float | None = None, **args: Any) -> None:
+    def negotiate_ready(self, row: str, op_name: str, rank: int, t: float) -> None:
+        """``rank``'s request for ``row`` arrived at ``t`` (starts the span for the first)."""
+        pid = self._pids.get(row) or self._pid(row)
+        ts = int((t - self.t0) * 1e6)
+        state = self._state.get(row)
+        if state is None:
+            self._state[row] = "negotiating"
+            self._buf.append(
+                '{"ph":"B","name":"NEGOTIATE_%s","ts":%d,"pid":%d}' % (op_name.upper(), ts, pid)
+            )
+        elif state != "negotiating":
+            return
+        self._buf.append('{"ph":"X","name":"%d","ts":%d,"pid":%d,"dur":0}' % (rank, ts, pid))
+
+    def negotiate_end(
+        self,
+        row: str,
+        t: float | None = None,
+        last_rank: int | None = None,
+        waited_ms: float | None = None,
+    ) -> None:
         if self._state.get(row) != "negotiating":
             return
         del self._state[row]
-        self.writer.put(self._end(row, self._ts(t), _dump(args) if args else ""))
+        if last_rank is None:
+            self._buf.append('{"ph":"E","ts":%d,"pid":%d}' % (self._ts(t), self._pid(row)))
+        else:
+            self._buf.append(
+                '{"ph":"E","ts":%d,"pid":%d,"args":{"last_rank":%d,"waited_ms":%.3f}}'
+                % (self._ts(t), self._pid(row), last_rank, waited_ms or 0.0)
+            )
 
     # ----------------------------------------------------------------- execution
+    # A response runs as a unit on the engine thread: its tensors share the op span and every
+    # activity span, so the spans are collected once and written per tensor from one template.
     def op_start(self, row: str, op_name: str) -> None:
         self.ops_start([row], op_name)
 
     def ops_start(self, rows: list[str], op_name: str) -> None:
         ts = self._ts()
-        state = self._state
-        begin = '{"ph":"B","name":"' + op_name.upper() + '","ts":%d,"pid":%d}'
-        out = []
         for row in rows:
-            if state.get(row) == "negotiating":  # e.g. the timeline started mid-negotiation
-                out.append('{"ph":"E","ts":%d,"pid":%d}' % (ts, self._pid(row)))
-            state[row] = "op"
-            out.append(begin % (ts, self._pid(row)))
-        self.writer.put(out)
+            if self._state.get(row) == "negotiating":  # e.g. the timeline started mid-way
+                self.negotiate_end(row)
+        self._op = (op_name.upper(), ts, [])
 
     def activity(self, rows: list[str], name: str | None) -> None:
-        """End the rows' current activity (if any) and start ``name`` (unless None)."""
-        ts = self._ts()
-        out = []
-        state = self._state
-        pid_of = self._pid
-        end = '{"ph":"E","ts":%d,"pid":%d}'
-        begin = '{"ph":"B","name":"' + (name or "") + '","ts":%d,"pid":%d}'
-        for row in rows:
-            st = state.get(row)
-            if st is None:
-                continue
-            if st == "activity":
-                out.append(end % (ts, pid_of(row)))
-                state[row] = "op"
-            if name is not None:
-                out.append(begin % (ts, pid_of(row)))
-                state[row] = "activity"
-        if out:
-            self.writer.put(out)
+        """End the current activity (if any) and start ``name`` (unless None)."""
+        if self._op is not None:
+            self._op[2].append((name, self._ts()))
 
     def op_end(self, row: str, dtype: str | None = None, shape: Any = None) -> None:
         self.ops_end([row], dtype, [shape])
 
     def ops_end(self, rows: list[str], dtype: str | None, shapes: Any) -> None:
-        ts = self._ts()
-        out = []
-        for row, shape in zip(rows, shapes, strict=False):
-            state = self._state.pop(row, None)
-            if state is None:
+        op, self._op = self._op, None
+        if op is None:
+            return
+        name, ts0, acts = op
+        end = self._ts()
+        parts = ['{"ph":"B","name":"%s","ts":%d,"pid":%%(pid)d}' % (name, ts0)]
+        for i, (act, ts) in enumerate(acts):
+            if act is None:
                 continue
-            pid = self._pid(row)
-            if state == "activity":
-                out.append('{"ph":"E","ts":%d,"pid":%d}' % (ts, pid))
-            if dtype is None:
-                out.append('{"ph":"E","ts":%d,"pid":%d}' % (ts, pid))
-            else:
-                out.append(
-                    '{"ph":"E","ts":%d,"pid":%d,"args":{"dtype":"%s","shape":"%s"}}'
-                    % (ts, pid, dtype, list(shape))
-                )
-        if out:
-            self.writer.put(out)
+            until = acts[i + 1][1] if i + 1 < len(acts) else end
+            parts.append('{"ph":"B","name":"%s","ts":%d,"pid":%%(pid)d}' % (act, ts))
+            parts.append('{"ph":"E","ts":%d,"pid":%%(pid)d}' % until)
+        if dtype is None:
+            parts.append('{"ph":"E","ts":%d,"pid":%%(pid)d}' % end)
+        else:
+            parts.append(
+                '{"ph":"E","ts":%d,"pid":%%(pid)d,"args":{"dtype":"%s","shape":"%%(shape)s"}}'
+                % (end, dtype)
+            )
+        template = ",\n".join(parts)
+        pid = self._pid
+        self._buf.extend(
+            template % {"pid": pid(row), "shape": list(shape)}
+            for row, shape in zip(rows, shapes, strict=False)
+        )
 
     # ----------------------------------------------------------------- job-wide rows
     def cycle(self) -> None:
         if self.mark_cycles:
-            self.writer.put('{"ph":"i","name":"CYCLE_START","ts":%d,"pid":0,"s":"g"}' % self._ts())
+            self._buf.append('{"ph":"i","name":"CYCLE_START","ts":%d,"pid":0,"s":"g"}' % self._ts())
 
     def counter(self, name: str, values: dict[str, float]) -> None:
-        self.writer.put(
+        self._buf.append(
             _dump({"ph": "C", "name": name, "ts": self._ts(), "pid": 0, "args": values})
         )
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.flush()
             self.writer.close()
