@@ -504,9 +504,10 @@ class Engine:
             return
         with self.lock:
             entries = [self.table.pop((resp.ps_id, n), None) for n in resp.names]
-            # Until their handles complete, these entries are failed with the table if the
-            # data plane breaks or raises mid-way.
-            self.running = entries
+            if op not in (ERROR, JOIN):
+                # Until their handles complete, these entries are failed with the table if
+                # the data plane breaks or raises mid-way.
+                self.running = entries
         self.stats["responses"] += 1
         if len(resp.names) > 1:
             self.stats["fused_responses"] += 1
