@@ -115,19 +115,22 @@ def test_rank_stuck_in_c_code_holding_the_gil_gets_its_stack_dumped():
 def test_rank_that_exits_without_the_collective_is_named():
     out = run_script(
         """
+        import time
         import numpy as np
         import horovod.numpy as hvd
 
         hvd.init()
         if hvd.rank() == 0:
             hvd.allreduce(np.ones(2), name="last_one")
+        else:
+            time.sleep(1)  # exit after rank 0 submitted (else rank 0 submits after shutdown)
         """,
         timeout=60,
     )
     text = out.stdout + out.stderr
     assert out.returncode != 0, text
     assert re.search(
-        r"allreduce 'last_one' was submitted by rank 0 at script\.py:7 in <module> but "
+        r"allreduce 'last_one' was submitted by rank 0 at script\.py:8 in <module> but "
         r"rank 1 exited without submitting it",
         text,
     ), text
