@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,27 @@ def current() -> Context | None:
 
 
 process_sets_module.context_lookup = current
+
+
+def bind(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, made to run in the caller's rank context when another thread calls it.
+    Frameworks run graph ops on their own threads (TensorFlow's executor); with ranks as threads
+    (``horovod.testing.run_ranks``) those threads would otherwise see no Horovod context. In a
+    normal job (one rank per process) ``fn`` is returned unchanged."""
+    spec = _spec.get()
+    if spec is None:
+        return fn
+    ctx = _thread_ctx.get()
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t_spec, t_ctx = _spec.set(spec), _thread_ctx.set(ctx)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _thread_ctx.reset(t_ctx)
+            _spec.reset(t_spec)
+
+    return run
 
 
 def require() -> Context:

@@ -1,0 +1,310 @@
+"""``import horovod.tensorflow as hvd``: upstream Horovod's TensorFlow 2 API on pyhorovod's
+engine. Every collective works eagerly and inside ``tf.function``, with gradients."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.core.messages import ADASUM_OP as Adasum
+from horovod.core.messages import MAX as Max
+from horovod.core.messages import MIN as Min
+from horovod.core.messages import PRODUCT as Product
+from horovod.frontend import (
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.mpi_ops import (
+    Average,
+    Sum,
+    _executing_eagerly,
+    allgather,
+    allgather_object,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_object,
+    broadcast_object_fn,
+    broadcast_variables,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    reducescatter,
+    size_op,
+)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. Please use "
+            "`hvd.broadcast_variables(<model/optimizer variables>)` instead."
+        )
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+class _DistributedGradientTape:
+    """Methods grafted onto a subclass of the user's tape class (so ``isinstance(tape,
+    tf.GradientTape)`` still holds): ``gradient`` returns gradients reduced over the ranks."""
+
+    _hvd_base: Any  # the user's tape class, set on the grafted subclass
+
+    def _hvd_setup(
+        self,
+        compression: Any,
+        sparse_as_dense: bool,
+        op: int,
+        gradient_predivide_factor: float,
+        groups: Any,
+        process_set: ProcessSet,
+        scale_local_gradients: bool,
+    ) -> None:
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if op not in (Average, Sum, Adasum):
+            raise ValueError("op must be Average, Sum or Adasum")
+        if op == Adasum:
+            raise NotImplementedError(
+                "op=Adasum is not supported by this version of pyhorovod; use Average or Sum"
+            )
+        self._hvd_compression = compression
+        self._hvd_sparse_as_dense = sparse_as_dense
+        self._hvd_op = op
+        self._hvd_predivide = gradient_predivide_factor
+        self._hvd_groups = groups
+        self._hvd_process_set = process_set
+        self._hvd_scale_local = scale_local_gradients
+        self._hvd_local_sources: set[int] = set()
+
+    def register_local_source(self, source: tf.Variable) -> None:
+        """Gradients of ``source`` stay local (not reduced; divided by the set size when
+        ``scale_local_gradients``)."""
+        self._hvd_local_sources.add(id(source))
+
+    @tf.autograph.experimental.do_not_convert
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        use_generic_names: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        grads = self._hvd_base.gradient(self, target, sources, output_gradients, **kwargs)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        reduced = self._hvd_reduce(flat_sources, flat_grads, use_generic_names)
+        return tf.nest.pack_sequence_as(grads, reduced)
+
+    def _hvd_reduce(self, sources: list[Any], grads: list[Any], generic: bool) -> list[Any]:
+        ps = self._hvd_process_set
+        if not ps.included() or ps.size() == 1:
+            return grads
+        n = ps.size()
+        out: list[Any] = list(grads)
+        dense_idx, dense = [], []
+        for i, (s, g) in enumerate(zip(sources, grads, strict=True)):
+            if g is None:
+                continue
+            if id(s) in self._hvd_local_sources:
+                if self._hvd_scale_local:
+                    out[i] = g / tf.cast(n, g.dtype)
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not self._hvd_sparse_as_dense:
+                    name = None if generic else f"DistributedGradientTape.sparse.{i}"
+                    out[i] = allreduce(g, op=self._hvd_op, process_set=ps, name=name)
+                    continue
+                g = tf.convert_to_tensor(g)
+            dense_idx.append(i)
+            dense.append(g)
+        if dense:
+            pre, post = 1.0, 1.0
+            if self._hvd_op == Average and self._hvd_predivide != 1.0:
+                pre, post = 1.0 / self._hvd_predivide, self._hvd_predivide
+            reduced = grouped_allreduce(
+                dense,
+                op=self._hvd_op,
+                compression=self._hvd_compression,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=ps,
+                name=None if generic else "DistributedGradientTape",
+            )
+            for i, r in zip(dense_idx, reduced, strict=True):
+                out[i] = r
+        return out
+
+
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """Wrap ``gradtape`` so that ``gradient()`` averages (``op``) gradients over the ranks."""
+    base = gradtape.__class__
+    cls = type(
+        base.__name__,
+        (base,),
+        {k: v for k, v in _DistributedGradientTape.__dict__.items() if not k.startswith("__")}
+        | {"_hvd_base": base},
+    )
+    tape: Any = object.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._hvd_setup(
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
+    return tape
+
+
+def PartialDistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Sequence[Any] | None = None,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
+    """As DistributedGradientTape; the trainable weights of ``local_layers`` stay local."""
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
+    for layer in local_layers or []:
+        for w in layer.trainable_weights:
+            tape.register_local_source(w)  # type: ignore[attr-defined]
+    return tape
+
+
+def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keras optimizers: see ``horovod.tensorflow.keras.DistributedOptimizer``."""
+    from horovod.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
+
+    return KerasDistributedOptimizer(optimizer, *args, **kwargs)
+
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Compression",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "Max",
+    "Min",
+    "PartialDistributedGradientTape",
+    "ProcessSet",
+    "Product",
+    "Sum",
+    "_executing_eagerly",
+    "add_process_set",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "broadcast_object_fn",
+    "broadcast_variables",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allreduce",
+    "grouped_reducescatter",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "join",
+    "local_rank",
+    "local_rank_op",
+    "local_size",
+    "local_size_op",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "process_set_included_op",
+    "rank",
+    "rank_op",
+    "reducescatter",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
+    "size_op",
+    "start_timeline",
+    "stop_timeline",
+]

@@ -1,0 +1,56 @@
+"""Gradient compression for transport (upstream's ``horovod.tensorflow.compression``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+
+class Compressor:
+    """``compress(tensor) -> (tensor, ctx)``; ``decompress(tensor, ctx) -> tensor``."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor
+
+
+def _cast_compressor(target: tf.DType) -> type[Compressor]:
+    class _Cast(Compressor):
+        @staticmethod
+        def compress(tensor: Any) -> tuple[Any, Any]:
+            if tensor.dtype.is_floating and tensor.dtype != target:
+                return tf.cast(tensor, target), tensor.dtype
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor: Any, ctx: Any) -> Any:
+            return tensor if ctx is None else tf.cast(tensor, ctx)
+
+    return _Cast
+
+
+FP16Compressor = _cast_compressor(tf.float16)
+BF16Compressor = _cast_compressor(tf.bfloat16)
+
+
+class Compression:
+    """Floating-point gradients sent as float16 (``fp16``) or bfloat16 (``bf16``)."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor

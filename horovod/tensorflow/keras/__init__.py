@@ -1,0 +1,238 @@
+"""``import horovod.tensorflow.keras as hvd``: Horovod for ``tf.keras`` (Keras 3 with the
+TensorFlow backend, or Keras 2 through tf-keras when ``TF_USE_LEGACY_KERAS=1``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod import frontend as F
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.frontend import (
+    add_process_set,
+    cross_rank,
+    cross_size,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    remove_process_set,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from horovod.tensorflow import mpi_ops
+from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.keras import callbacks
+from horovod.tensorflow.mpi_ops import Average, Sum
+
+
+def _keras() -> Any:
+    return tf.keras
+
+
+class _DistributedMixin:
+    """Grafted onto a subclass of the user's optimizer class: gradients are reduced over the
+    ranks before the wrapped optimizer applies them. The subclass keeps the class name, so a
+    saved model loads without Horovod."""
+
+    _hvd_cfg: dict[str, Any]  # set on each wrapped optimizer
+
+    def _hvd_reduce(self, grads: list[Any]) -> list[Any]:
+        cfg = self._hvd_cfg
+        ps = cfg["process_set"]
+        if not ps.included() or ps.size() == 1:
+            return grads
+        out = list(grads)
+        idx, dense = [], []
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not cfg["sparse_as_dense"]:
+                    out[i] = mpi_ops.allreduce(g, op=cfg["op"], process_set=ps)
+                    continue
+                g = tf.convert_to_tensor(g)
+            idx.append(i)
+            dense.append(g)
+        if dense:
+            pre, post = 1.0, 1.0
+            if cfg["op"] == Average and cfg["predivide"] != 1.0:
+                pre, post = 1.0 / cfg["predivide"], cfg["predivide"]
+            reduced = mpi_ops.grouped_allreduce(
+                dense,
+                op=cfg["op"],
+                compression=cfg["compression"],
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=ps,
+                name=f"{cfg['name']}.grads",
+            )
+            for i, r in zip(idx, reduced, strict=True):
+                out[i] = r
+        return out
+
+
+def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:  # Keras 3
+    grads = self._hvd_reduce(list(grads))
+    return self._hvd_base.apply(self, grads, trainable_variables)
+
+
+def _apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:  # Keras 2
+    pairs = list(grads_and_vars)
+    grads = self._hvd_reduce([g for g, _ in pairs])
+    return self._hvd_base.apply_gradients(
+        self, list(zip(grads, [v for _, v in pairs], strict=True)), *args, **kwargs
+    )
+
+
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: int = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """A copy of ``optimizer`` (same class name and config) whose updates use gradients
+    averaged (or summed, ``op=hvd.Sum``) over the ranks of ``process_set``."""
+    if op not in (Average, Sum):
+        raise ValueError("op currently only supports Average and Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step != 1:
+        raise NotImplementedError(
+            "backward_passes_per_step > 1 is not supported by this version of pyhorovod's "
+            "Keras DistributedOptimizer; accumulate gradients with a GradientTape instead"
+        )
+    base = optimizer.__class__
+    keras3 = hasattr(base, "apply") and base.__module__.startswith("keras.")
+    methods: dict[str, Any] = {
+        k: v for k, v in _DistributedMixin.__dict__.items() if not k.startswith("__")
+    }
+    methods["_hvd_base"] = base
+    if keras3:
+        methods["apply"] = _apply
+    else:
+        methods["apply_gradients"] = _apply_gradients
+    cls: Any = type(base.__name__, (base,), methods)
+    new = cls.from_config(optimizer.get_config())
+    new._hvd_cfg = {
+        "compression": compression,
+        "sparse_as_dense": sparse_as_dense,
+        "op": op,
+        "predivide": gradient_predivide_factor,
+        "process_set": process_set,
+        "name": name or f"Distributed{base.__name__}",
+    }
+    return new
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Keras 3 keeps no global variable collection: broadcast a model's variables with
+    ``broadcast_variables(model.variables, root_rank)`` or use
+    ``callbacks.BroadcastGlobalVariablesCallback``."""
+    raise RuntimeError(
+        "broadcast_global_variables() needs TF1 global variables, which Keras 3 does not have; "
+        "use hvd.broadcast_variables(model.variables, root_rank=0) or "
+        "hvd.callbacks.BroadcastGlobalVariablesCallback(0)"
+    )
+
+
+broadcast_variables = mpi_ops.broadcast_variables
+
+
+def allreduce(
+    value: Any,
+    name: str | None = None,
+    average: bool | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    op: int | None = None,
+    compression: Any = Compression.none,
+) -> Any:
+    """Eager helper: the reduced value, as a NumPy array."""
+    return np.asarray(
+        mpi_ops.allreduce(
+            tf.convert_to_tensor(value),
+            average=average,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            name=name,
+            compression=compression,
+        )
+    )
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    return np.asarray(mpi_ops.allgather(tf.convert_to_tensor(value), name=name))
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    return np.asarray(mpi_ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name))
+
+
+def reducescatter(value: Any, name: str | None = None, op: int = Average) -> Any:
+    return np.asarray(mpi_ops.reducescatter(tf.convert_to_tensor(value), name=name, op=op))
+
+
+def load_model(
+    filepath: str,
+    custom_optimizers: Any = None,
+    custom_objects: Any = None,
+    compression: Any = Compression.none,
+    legacy_opts: bool = False,
+) -> Any:
+    """Load a model saved with a DistributedOptimizer; its optimizer comes back wrapped."""
+    model = tf.keras.models.load_model(filepath, custom_objects=custom_objects, compile=True)
+    if getattr(model, "optimizer", None) is not None:
+        wrapped = DistributedOptimizer(model.optimizer, compression=compression)
+        model.optimizer = wrapped
+    return model
+
+
+__all__ = [
+    "Average",
+    "Compression",
+    "DistributedOptimizer",
+    "ProcessSet",
+    "Sum",
+    "add_process_set",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "broadcast_global_variables",
+    "broadcast_variables",
+    "callbacks",
+    "cross_rank",
+    "cross_size",
+    "global_process_set",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
+    "load_model",
+    "local_rank",
+    "local_size",
+    "rank",
+    "reducescatter",
+    "remove_process_set",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+    "F",
+]

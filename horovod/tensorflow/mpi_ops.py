@@ -1,0 +1,558 @@
+"""TensorFlow collectives on pyhorovod's engine, eagerly and inside ``tf.function``.
+
+Eagerly, a tensor's NumPy view goes straight to the engine. In a graph (``tf.function``), each
+collective is a ``tf.numpy_function`` op; successive collectives of one graph are chained with
+control dependencies so every rank runs them in the order they were written (TensorFlow may
+otherwise run independent ops in any order, and a blocking collective run out of order on one
+rank would wait for ever). Gradients are registered with ``tf.custom_gradient``: the gradient of
+an allreduce is the allreduce of the gradient, of an allgather the slice of this rank's rows
+of the summed gradient, of a broadcast the sum of gradients on the root.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod import frontend as F
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.core import context as _context
+from horovod.core.messages import AVERAGE, SUM
+
+Average, Sum = AVERAGE, SUM
+
+# Our functions run as written inside tf.function (no AutoGraph rewriting of their Python).
+_no_autograph = tf.autograph.experimental.do_not_convert
+
+_last_op: weakref.WeakKeyDictionary[Any, list[tf.Tensor]] = weakref.WeakKeyDictionary()
+_graph_count: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _executing_eagerly() -> bool:
+    return tf.executing_eagerly()
+
+
+def _graph_name(prefix: str, tensor: Any, name: str | None) -> str | None:
+    """The name of an unnamed collective in a graph: ``HorovodAllreduce_<k>`` for the k-th
+    collective traced into that graph. Tracing follows program order, so the same code gives
+    the same names on every rank (graph tensor names do not: captured tensors are named after
+    per-process ids)."""
+    if name or tf.executing_eagerly():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    k = _graph_count.get(graph, 0) + 1
+    _graph_count[graph] = k
+    return f"{prefix}_{k}"
+
+
+@_no_autograph
+def _run(
+    fn: Callable[..., Sequence[np.ndarray]],
+    inputs: Sequence[tf.Tensor],
+    touts: Sequence[tf.DType],
+    op_name: str,
+) -> list[tf.Tensor]:
+    """Run ``fn`` (NumPy arrays in, arrays out) now if eager, else as a graph op."""
+    if tf.executing_eagerly():
+        outs = fn(*[np.asarray(x) for x in inputs])
+        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts, strict=True)]
+    bound = _context.bind(fn)
+
+    def np_fn(*arrays: np.ndarray) -> list[np.ndarray]:
+        return [np.asarray(o) for o in bound(*arrays)]
+
+    graph = tf.compat.v1.get_default_graph()
+    with tf.control_dependencies(_last_op.get(graph, [])):
+        outs = tf.numpy_function(np_fn, list(inputs), list(touts), stateful=True, name=op_name)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    _last_op[graph] = outs[:1]
+    return outs
+
+
+def _dense(tensor: Any) -> tf.Tensor:
+    return tf.convert_to_tensor(tensor)
+
+
+# ------------------------------------------------------------------------------- allreduce
+def _allreduce_dense(
+    tensor: tf.Tensor,
+    op: int,
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    process_set: ProcessSet,
+) -> tf.Tensor:
+    name = _graph_name("HorovodAllreduce", tensor, name)
+
+    @tf.custom_gradient
+    def _op(x: tf.Tensor) -> Any:
+        def fn(a: np.ndarray) -> list[np.ndarray]:
+            return [
+                F.allreduce(
+                    a,
+                    name=name,
+                    op=op,
+                    prescale_factor=prescale,
+                    postscale_factor=postscale,
+                    process_set=process_set,
+                )
+            ]
+
+        y = _run(fn, [x], [x.dtype], "HorovodAllreduce")[0]
+        y.set_shape(x.shape)
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            if op not in (AVERAGE, SUM):
+                raise NotImplementedError("only Sum and Average allreduces have a gradient")
+            return _allreduce_dense(
+                dy, op, prescale, postscale, f"{name}.grad" if name else None, process_set
+            )
+
+        return y, grad
+
+    return _op(tensor)
+
+
+@_no_autograph
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
+    """Reduce ``tensor`` over the ranks of ``process_set`` (Average by default).
+    ``tf.IndexedSlices`` are reduced as two allgathers (values and indices), Sum/Average only."""
+    from horovod.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    op = F._reduce_op(op, average, "allreduce")
+    if isinstance(tensor, tf.IndexedSlices):
+        if op not in (AVERAGE, SUM):
+            raise NotImplementedError(
+                "Only Sum and Average ops are supported with tf.IndexedSlices"
+            )
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError(
+                "pre/postscale factors are not supported with tf.IndexedSlices"
+            )
+        base = name or None
+        values = allgather(
+            tensor.values, name=f"{base}.values" if base else None, process_set=process_set
+        )
+        indices = allgather(
+            tensor.indices, name=f"{base}.indices" if base else None, process_set=process_set
+        )
+        if op == AVERAGE:
+            values = values / tf.cast(process_set.size(), values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    compressed, ctx = compression.compress(_dense(tensor))
+    out = _allreduce_dense(compressed, op, prescale_factor, postscale_factor, name, process_set)
+    return compression.decompress(out, ctx)
+
+
+@_no_autograph
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    name: str | None = None,
+) -> list[tf.Tensor]:
+    """Allreduce several tensors as one group (fused together, completed together)."""
+    from horovod.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    op = F._reduce_op(op, average, "grouped_allreduce")
+    if not tensors:
+        return []
+    packed = [compression.compress(_dense(t)) for t in tensors]
+    name = _graph_name("HorovodGroupedAllreduce", packed[0][0], name)
+    outs = _grouped_allreduce_dense(
+        [p[0] for p in packed], op, prescale_factor, postscale_factor, name, process_set
+    )
+    return [compression.decompress(o, p[1]) for o, p in zip(outs, packed, strict=True)]
+
+
+def _grouped_allreduce_dense(
+    tensors: list[tf.Tensor],
+    op: int,
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    process_set: ProcessSet,
+) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def _op(*xs: tf.Tensor) -> Any:
+        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+            return F.grouped_allreduce(
+                list(arrays),
+                name=name,
+                op=op,
+                prescale_factor=prescale,
+                postscale_factor=postscale,
+                process_set=process_set,
+            )
+
+        ys = _run(fn, list(xs), [x.dtype for x in xs], "HorovodGroupedAllreduce")
+        for y, x in zip(ys, xs, strict=True):
+            y.set_shape(x.shape)
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            if op not in (AVERAGE, SUM):
+                raise NotImplementedError("only Sum and Average allreduces have a gradient")
+            return _grouped_allreduce_dense(
+                list(dys), op, prescale, postscale, f"{name}.grad" if name else None, process_set
+            )
+
+        return ys, grad
+
+    return list(_op(*tensors))
+
+
+# ------------------------------------------------------------------------------- allgather
+@_no_autograph
+def allgather(
+    tensor: Any,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order."""
+    x = _dense(tensor)
+    name = _graph_name("HorovodAllgather", x, name)
+
+    @tf.custom_gradient
+    def _op(x: tf.Tensor) -> Any:
+        y = _run(
+            lambda a: [F.allgather(a, name=name, process_set=process_set)],
+            [x],
+            [x.dtype],
+            "HorovodAllgather",
+        )[0]
+        y.set_shape([None] + list(x.shape[1:]))
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            # rows of every rank, then this rank's slice of the summed gradient
+            rows = tf.shape(x, out_type=tf.int64)[:1]
+            counts = allgather(
+                rows, name=f"{name}.grad.rows" if name else None, process_set=process_set
+            )
+            summed = _allreduce_dense(
+                dy, SUM, 1.0, 1.0, f"{name}.grad" if name else None, process_set
+            )
+            me = process_set.rank()
+            start = tf.reduce_sum(counts[:me])
+            return summed[start : start + counts[me]]
+
+        return y, grad
+
+    return _op(x)
+
+
+@_no_autograph
+def grouped_allgather(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> list[tf.Tensor]:
+    xs = [_dense(t) for t in tensors]
+    if not xs:
+        return []
+    name = _graph_name("HorovodGroupedAllgather", xs[0], name)
+    ys = _run(
+        lambda *arrays: F.grouped_allgather(list(arrays), name=name, process_set=process_set),
+        xs,
+        [x.dtype for x in xs],
+        "HorovodGroupedAllgather",
+    )
+    for y, x in zip(ys, xs, strict=True):
+        y.set_shape([None] + list(x.shape[1:]))
+    return ys
+
+
+# ------------------------------------------------------------------------------- broadcast
+@_no_autograph
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
+    """``root_rank``'s value of ``tensor`` on every rank."""
+    x = _dense(tensor)
+    name = _graph_name("HorovodBroadcast", x, name)
+
+    @tf.custom_gradient
+    def _op(x: tf.Tensor) -> Any:
+        y = _run(
+            lambda a: [F.broadcast(a, root_rank, name=name, process_set=process_set)],
+            [x],
+            [x.dtype],
+            "HorovodBroadcast",
+        )[0]
+        y.set_shape(x.shape)
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            summed = _allreduce_dense(
+                dy, SUM, 1.0, 1.0, f"{name}.grad" if name else None, process_set
+            )
+            if F.rank() == root_rank:
+                return summed
+            return tf.zeros_like(summed)
+
+        return y, grad
+
+    return _op(x)
+
+
+def broadcast_(
+    variables: Any,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Overwrite ``variables`` (one tf.Variable or a list) with ``root_rank``'s values."""
+    single = isinstance(variables, tf.Variable)
+    vs = [variables] if single else list(variables)
+    broadcast_variables(vs, root_rank, process_set=process_set, name=name)
+    return variables if single else vs
+
+
+@_no_autograph
+def broadcast_variables(
+    variables: Sequence[tf.Variable],
+    root_rank: int,
+    process_set: ProcessSet = global_process_set,
+    inplace: bool = False,
+    name: str | None = None,
+) -> Any:
+    """Assign ``root_rank``'s values to every variable in ``variables`` (one batch of
+    broadcasts, completed together)."""
+    vs = list(variables)
+    if not vs:
+        return None
+    prefix = name or "broadcast_variables"
+    names = [f"{prefix}.{i}.{getattr(v, 'name', 'var')}" for i, v in enumerate(vs)]
+
+    if tf.executing_eagerly():
+        handles = [
+            F.broadcast_async(
+                np.asarray(tf.convert_to_tensor(v)), root_rank, name=n, process_set=process_set
+            )
+            for v, n in zip(vs, names, strict=True)
+        ]
+        for v, h in zip(vs, handles, strict=True):
+            v.assign(F.synchronize(h))
+        return None
+
+    def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+        hs = [
+            F.broadcast_async(np.asarray(a), root_rank, name=n, process_set=process_set)
+            for a, n in zip(arrays, names, strict=True)
+        ]
+        return [F.synchronize(h) for h in hs]
+
+    values = _run(
+        fn,
+        [tf.convert_to_tensor(v) for v in vs],
+        [v.dtype for v in vs],
+        "HorovodBroadcastVariables",
+    )
+    for v, x in zip(vs, values, strict=True):
+        x.set_shape(v.shape)
+    return tf.group(*[v.assign(x) for v, x in zip(vs, values, strict=True)])
+
+
+# ------------------------------------------------------------------------------- alltoall, reducescatter
+@_no_autograph
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Scatter slices of ``tensor`` (first dimension, ``splits`` rows per rank, even by default)
+    to every rank and gather theirs; with ``splits`` also returns the received splits."""
+    x = _dense(tensor)
+    name = _graph_name("HorovodAlltoall", x, name)
+    inputs = [x]
+    if splits is not None:
+        inputs.append(tf.cast(_dense(splits), tf.int32))
+
+    def fn(a: np.ndarray, s: np.ndarray | None = None) -> list[np.ndarray]:
+        out, received = F.alltoall(
+            a, None if s is None else s.tolist(), name=name, process_set=process_set
+        )
+        return [out, np.asarray(received, np.int32)]
+
+    out, received = _run(fn, inputs, [x.dtype, tf.int32], "HorovodAlltoall")
+    out.set_shape([None] + list(x.shape[1:]))
+    return (out, received) if splits is not None else out
+
+
+@_no_autograph
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Any = None,
+    op: int = Average,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
+    """Reduce over ranks, then give rank i the i-th block of rows (rank-order uneven split)."""
+    return grouped_reducescatter(
+        [tensor],
+        compression=compression,
+        op=op,
+        name=name,
+        process_set=process_set,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+    )[0]
+
+
+@_no_autograph
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: Any = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+) -> list[tf.Tensor]:
+    from horovod.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    if op not in (AVERAGE, SUM):
+        raise ValueError("reducescatter supports only op=Average or op=Sum")
+    packed = [compression.compress(_dense(t)) for t in tensors]
+    if not packed:
+        return []
+    xs = [p[0] for p in packed]
+    name = _graph_name("HorovodReducescatter", xs[0], name)
+
+    @tf.custom_gradient
+    def _op(*xs: tf.Tensor) -> Any:
+        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+            return F.grouped_reducescatter(
+                list(arrays),
+                name=name,
+                op=op,
+                process_set=process_set,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+            )
+
+        ys = _run(fn, list(xs), [x.dtype for x in xs], "HorovodReducescatter")
+        for y, x in zip(ys, xs, strict=True):
+            y.set_shape([None] + list(x.shape[1:]))
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            # the gradient of a reduce-scatter is the allgather of the gradient (scaled alike)
+            scale = prescale_factor * postscale_factor
+            if op == AVERAGE:
+                scale /= process_set.size() or 1
+            gathered = [
+                allgather(d, name=f"{name}.grad.{i}" if name else None, process_set=process_set)
+                for i, d in enumerate(dys)
+            ]
+            return [g * tf.cast(scale, g.dtype) for g in gathered]
+
+        return ys, grad
+
+    ys = _op(*xs)
+    return [compression.decompress(y, p[1]) for y, p in zip(ys, packed, strict=True)]
+
+
+# ------------------------------------------------------------------------------- the rest
+def join() -> int:
+    """This rank has no more data; returns the rank that joined last."""
+    return F.join()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    F.barrier(process_set)
+
+
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    return F.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_object_fn(
+    root_rank: int = 0,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Callable[[Any], Any]:
+    def fn(obj: Any) -> Any:
+        return F.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return fn
+
+
+def allgather_object(
+    obj: Any,
+    session: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[Any]:
+    return F.allgather_object(obj, name=name, process_set=process_set)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    return tf.constant(F.size() if process_set_id == 0 else _set(process_set_id).size())
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    return tf.constant(F.rank())
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    return tf.constant(F.local_size())
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    return tf.constant(F.local_rank())
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    return tf.constant(int(bool(_set(process_set_id).included())))
+
+
+def _set(process_set_id: int) -> ProcessSet:
+    ctx = _context.require()
+    ps = ctx.public_sets.get(process_set_id)
+    if ps is None:
+        raise ValueError(f"process set {process_set_id} does not exist")
+    return ps

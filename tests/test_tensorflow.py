@@ -1,0 +1,286 @@
+"""horovod.tensorflow and horovod.tensorflow.keras at 1, 2 and 3 ranks: every collective eagerly
+and inside tf.function, gradients through them, DistributedGradientTape, the Keras
+DistributedOptimizer and callbacks, and the error paths."""
+
+import numpy as np
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+# Ranks run as threads of this process and share TensorFlow's inter-op thread pool, where graph
+# collectives block while they wait for the other ranks: give every rank room (a real job has
+# one process, and one pool, per rank).
+try:
+    tf.config.threading.set_inter_op_parallelism_threads(16)
+except RuntimeError:  # TensorFlow already initialized by another test module
+    pass
+
+import horovod.tensorflow as hvd  # noqa: E402
+from horovod.common.exceptions import HorovodInternalError  # noqa: E402
+from horovod.testing import run_ranks  # noqa: E402
+
+SIZES = [1, 2, 3]
+
+
+@pytest.fixture(params=SIZES, ids=lambda n: f"np{n}")
+def n(request):
+    return request.param
+
+
+def both_modes(fn):
+    """Run ``fn`` eagerly and as a tf.function; both results, as NumPy."""
+    eager = fn()
+    graph = tf.function(fn)()
+    return tf.nest.map_structure(np.asarray, eager), tf.nest.map_structure(np.asarray, graph)
+
+
+def test_allreduce_average_sum_min_max(n):
+    def body(rank):
+        x = tf.constant([1.0, 2.0, 3.0]) * (rank + 1)
+
+        def fn():
+            return (
+                hvd.allreduce(x),
+                hvd.allreduce(x, op=hvd.Sum),
+                hvd.allreduce(x, op=hvd.Min),
+                hvd.allreduce(x, op=hvd.Max),
+                hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5),
+            )
+
+        return both_modes(fn)
+
+    total = sum(range(1, n + 1))
+    base = np.array([1.0, 2.0, 3.0])
+    for eager, graph in run_ranks(body, n):
+        for res in (eager, graph):
+            np.testing.assert_allclose(res[0], base * total / n)
+            np.testing.assert_allclose(res[1], base * total)
+            np.testing.assert_allclose(res[2], base)
+            np.testing.assert_allclose(res[3], base * n)
+            np.testing.assert_allclose(res[4], base * total)
+
+
+def test_allgather_broadcast_alltoall_reducescatter(n):
+    def body(rank):
+        rows = tf.fill([rank + 1, 2], float(rank))
+
+        def fn():
+            gathered = hvd.allgather(rows)
+            bcast = hvd.broadcast(tf.constant([float(rank)] * 3), root_rank=n - 1)
+            a2a, received = hvd.alltoall(tf.range(n, dtype=tf.float32) + 10 * rank, splits=[1] * n)
+            rs = hvd.reducescatter(tf.ones([n * 2, 3]) * (rank + 1), op=hvd.Sum)
+            g1, g2 = hvd.grouped_allgather([rows, rows * 2])
+            return gathered, bcast, a2a, received, rs, g1, g2
+
+        return both_modes(fn)
+
+    expect_gather = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(n)])
+    total = sum(range(1, n + 1))
+    for rank, (eager, graph) in enumerate(run_ranks(body, n)):
+        for res in (eager, graph):
+            np.testing.assert_allclose(res[0], expect_gather)
+            np.testing.assert_allclose(res[1], [float(n - 1)] * 3)
+            np.testing.assert_allclose(res[2], [rank + 10 * r for r in range(n)])
+            np.testing.assert_array_equal(res[3], [1] * n)
+            np.testing.assert_allclose(res[4], np.full((2, 3), float(total)))
+            np.testing.assert_allclose(res[6], expect_gather * 2)
+
+
+def test_gradients_through_collectives():
+    def body(rank):
+        x = tf.Variable([1.0, 2.0])
+
+        def fn():
+            with tf.GradientTape(persistent=True) as tape:
+                s = tf.reduce_sum(hvd.allreduce(x * (rank + 1), op=hvd.Sum))
+                g = tf.reduce_sum(hvd.allgather(tf.reshape(x, [1, 2])) * (rank + 1))
+                b = tf.reduce_sum(hvd.broadcast(x, root_rank=0))
+            return tape.gradient(s, x), tape.gradient(g, x), tape.gradient(b, x)
+
+        return both_modes(fn)
+
+    for rank, (eager, graph) in enumerate(run_ranks(body, 2)):
+        for ds, dg, db in (eager, graph):
+            # the gradient of an allreduce is the allreduce (Sum) of the upstream gradients
+            # (1 on each of 2 ranks), times this rank's own factor (rank + 1)
+            np.testing.assert_allclose(ds, [2.0 * (rank + 1)] * 2)
+            # allgather: row `rank` of the summed gradient (1 + 2 = 3)
+            np.testing.assert_allclose(dg, [3.0, 3.0])
+            # broadcast from 0: the root receives everyone's gradient, others none
+            np.testing.assert_allclose(db, [2.0, 2.0] if rank == 0 else [0.0, 0.0])
+
+
+def test_distributed_gradient_tape_averages_and_keeps_local_sources(n):
+    def body(rank):
+        w = tf.Variable([1.0, 1.0])
+        local = tf.Variable([1.0])
+        emb = tf.Variable(tf.ones([4, 2]))
+
+        def fn():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * (rank + 1)) + tf.reduce_sum(local * (rank + 1))
+                loss += tf.reduce_sum(tf.gather(emb, [rank % 4]))
+            tape = hvd.DistributedGradientTape(tape)
+            tape.register_local_source(local)
+            assert isinstance(tape, tf.GradientTape)
+            gw, gl, ge = tape.gradient(loss, [w, local, emb])
+            return gw, gl, tf.convert_to_tensor(ge)
+
+        return both_modes(fn)
+
+    mean = sum(range(1, n + 1)) / n
+    for rank, (eager, graph) in enumerate(run_ranks(body, n)):
+        for gw, gl, ge in (eager, graph):
+            np.testing.assert_allclose(gw, [mean, mean])
+            np.testing.assert_allclose(gl, [(rank + 1) / n])  # local: own gradient / size
+            expect = np.zeros((4, 2))
+            for r in range(n):
+                expect[r % 4] += 1.0 / n
+            np.testing.assert_allclose(ge, expect)  # IndexedSlices: gathered, averaged
+
+
+def test_broadcast_variables_and_objects(n):
+    def body(rank):
+        vs = [tf.Variable(tf.fill([3], float(rank))), tf.Variable(rank, dtype=tf.int64)]
+        hvd.broadcast_variables(vs, root_rank=0)
+        obj = hvd.broadcast_object({"epoch": rank}, root_rank=n - 1)
+        everyone = hvd.allgather_object(rank * 10)
+        return vs[0].numpy().tolist(), int(vs[1].numpy()), obj, everyone
+
+    for v0, v1, obj, everyone in run_ranks(body, n):
+        assert v0 == [0.0] * 3 and v1 == 0
+        assert obj == {"epoch": n - 1}
+        assert everyone == [r * 10 for r in range(n)]
+
+
+def test_fp16_compression_and_sum_tape():
+    def body(rank):
+        w = tf.Variable([0.5, 0.25])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * float(rank + 1))
+        tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16, op=hvd.Sum)
+        (g,) = tape.gradient(loss, [w])
+        return g.dtype.name, g.numpy().tolist()
+
+    for dtype, g in run_ranks(body, 2):
+        assert dtype == "float32" and g == [3.0, 3.0]
+
+
+def test_errors():
+    def body(rank):
+        with pytest.raises(NotImplementedError, match="Only Sum and Average"):
+            hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0])), op=hvd.Max)
+        with pytest.raises(ValueError, match="gradient_predivide_factor"):
+            with tf.GradientTape() as tape:
+                pass
+            hvd.DistributedGradientTape(tape, op=hvd.Sum, gradient_predivide_factor=2.0)
+        with pytest.raises(RuntimeError, match="does not support eager execution"):
+            hvd.broadcast_global_variables(0)
+        with pytest.raises(HorovodInternalError, match="shape"):
+            hvd.allreduce(tf.ones([2 + rank]), name="mismatch")
+        return "ok"
+
+    assert run_ranks(body, 2) == ["ok", "ok"]
+
+
+# ------------------------------------------------------------------------------ Keras
+def _model(keras, seed):
+    tf.random.set_seed(seed)
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)]
+    )
+
+
+def test_keras_fit_trains_the_same_model_on_every_rank():
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        keras = tf.keras
+        model = _model(keras, seed=rank)  # different initial weights on purpose
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+        assert type(opt).__name__ == "SGD" and isinstance(opt, keras.optimizers.SGD)
+        model.compile(
+            optimizer=opt,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        rng = np.random.default_rng(rank)  # different data per rank
+        x = rng.normal(size=(64, 4)).astype("float32")
+        y = (x[:, 0] > 0).astype("int64")
+        hist = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=2,
+            verbose=0,
+            callbacks=[
+                hk.callbacks.BroadcastGlobalVariablesCallback(0),
+                hk.callbacks.MetricAverageCallback(),
+                hk.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1),
+            ],
+        )
+        return [w.tolist() for w in model.get_weights()], hist.history["loss"]
+
+    (w0, l0), (w1, l1) = run_ranks(body, 2, timeout=120)
+    assert w0 == w1  # identical replicas
+    assert l0 == l1  # metrics averaged over ranks
+
+
+def test_keras_optimizer_argument_errors():
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        with pytest.raises(ValueError, match="only supports Average and Sum"):
+            hk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Max)
+        return "ok"
+
+    assert run_ranks(body, 1) == ["ok"]
+
+
+def test_learning_rate_warmup_schedule():
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        cb = hk.callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, steps_per_epoch=4)
+        return [cb.multiplier(e) for e in (0.0, 1.0, 2.0)]
+
+    for m in run_ranks(body, 4):
+        assert m == pytest.approx([0.25, 0.625, 1.0])  # 1/size -> 1 over the warmup
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("example", ["tensorflow2_digits.py", "keras_digits.py"])
+def test_examples_train_identical_replicas_under_horovodrun(example):
+    from conftest import horovodrun_example
+
+    out = horovodrun_example(2, example, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "replicas identical: True" in out.stdout
+
+
+def test_partial_tape_grouped_allreduce_and_broadcast_in_place():
+    def body(rank):
+        dense = tf.keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+        dense.build((None, 1))
+        w = tf.Variable([1.0])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dense(tf.constant([[float(rank + 1)]]))) + tf.reduce_sum(
+                w * (rank + 1)
+            )
+        tape = hvd.PartialDistributedGradientTape(tape, local_layers=[dense])
+        g_local, g_w = tape.gradient(loss, [dense.kernel, w])
+        a, b = tf.function(lambda: hvd.grouped_allreduce([w * rank, w + rank], op=hvd.Sum))()
+        v = tf.Variable([float(rank)] * 2)
+        hvd.broadcast_(v, root_rank=1)
+        return (
+            float(tf.reshape(g_local, [-1])[0]),
+            float(g_w[0]),
+            a.numpy().tolist(),
+            b.numpy().tolist(),
+            v.numpy().tolist(),
+        )
+
+    for rank, (gl, gw, a, b, v) in enumerate(run_ranks(body, 2)):
+        assert gl == (rank + 1) / 2  # local layer: own gradient / size
+        assert gw == 1.5  # averaged: (1 + 2) / 2
+        assert a == [1.0] and b == [3.0]
+        assert v == [1.0, 1.0]
