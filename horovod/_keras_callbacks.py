@@ -1,0 +1,161 @@
+"""Keras callbacks of upstream Horovod, shared by ``horovod.tensorflow.keras`` (tf.keras) and
+``horovod.keras`` (standalone Keras on any backend): start every rank from the same weights,
+average metrics over ranks, and scale the learning rate for the number of ranks. ``build()``
+makes the classes over a given ``Callback`` base class and variable-broadcast function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from horovod import frontend as F
+
+
+def _set_lr(optimizer: Any, value: float) -> None:
+    lr = optimizer.learning_rate
+    if hasattr(lr, "assign"):
+        lr.assign(value)
+    else:
+        optimizer.learning_rate = value
+
+
+def build(base: Any, broadcast_variables: Callable[..., Any]) -> SimpleNamespace:
+    class BroadcastGlobalVariablesCallback(base):
+        """Broadcast the model's (and optimizer's) variables from ``root_rank`` when training
+        starts, and once more at the end of the first batch, when the optimizer's slot variables
+        exist, so every rank trains the same model."""
+
+        def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
+            super().__init__()
+            self.root_rank = root_rank
+            self.local_ids = {id(v) for v in (local_variables or [])}
+            self.broadcast_done = False
+
+        def _variables(self) -> list[Any]:
+            vs = list(self.model.variables)
+            opt = getattr(self.model, "optimizer", None)
+            if opt is not None:
+                vs += list(getattr(opt, "variables", []) or [])
+            return [v for v in vs if id(v) not in self.local_ids]
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            broadcast_variables(
+                self._variables(), self.root_rank, name="BroadcastGlobalVariablesCallback.begin"
+            )
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            if self.broadcast_done:
+                return
+            broadcast_variables(
+                self._variables(), self.root_rank, name="BroadcastGlobalVariablesCallback"
+            )
+            self.broadcast_done = True
+
+    class MetricAverageCallback(base):
+        """At the end of every epoch, replace each metric in ``logs`` by its average over ranks
+        (each rank saw only its shard of the data)."""
+
+        def __init__(self, device: str = "") -> None:
+            super().__init__()
+
+        def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+            if not logs:
+                return
+            for key in sorted(logs):
+                value = np.asarray(logs[key], dtype=np.float64)
+                avg = F.allreduce(value, op=F.Average, name=f"MetricAverageCallback.{key}")
+                logs[key] = float(avg)
+
+    class LearningRateScheduleCallback(base):
+        """lr = ``initial_lr * multiplier`` between ``start_epoch`` and ``end_epoch``;
+        ``multiplier`` is a function of the (fractional) epoch or a constant ``c`` meaning
+        ``c ** (epoch - start_epoch)``. ``staircase`` changes it at epoch starts only."""
+
+        def __init__(
+            self,
+            initial_lr: float,
+            multiplier: float | Callable[[float], float],
+            start_epoch: int = 0,
+            end_epoch: int | None = None,
+            staircase: bool = True,
+            momentum_correction: bool = True,
+            steps_per_epoch: int | None = None,
+        ) -> None:
+            super().__init__()
+            self.initial_lr = initial_lr
+            self.start_epoch, self.end_epoch = start_epoch, end_epoch
+            self.staircase = staircase
+            self.steps_per_epoch = steps_per_epoch
+            self.epoch = 0
+            if callable(multiplier):
+                self.multiplier = multiplier
+            else:
+                c = float(multiplier)
+                self.multiplier = lambda epoch: c ** (epoch - start_epoch)
+
+        def _active(self, epoch: float) -> bool:
+            return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.epoch = epoch
+            if self.steps_per_epoch is None:
+                self.steps_per_epoch = (self.params or {}).get("steps")
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if self.staircase:
+                if batch != 0:
+                    return
+                epoch: float = self.epoch
+            else:
+                steps = self.steps_per_epoch or 1
+                epoch = self.epoch + batch / steps
+            if self._active(epoch):
+                _set_lr(self.model.optimizer, self.initial_lr * self.multiplier(epoch))
+
+    class LearningRateWarmupCallback(LearningRateScheduleCallback):
+        """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over
+        ``warmup_epochs`` (the "large batch" recipe: start at the single-worker rate)."""
+
+        def __init__(
+            self,
+            initial_lr: float,
+            warmup_epochs: int = 5,
+            momentum_correction: bool = True,
+            steps_per_epoch: int | None = None,
+            verbose: int = 0,
+        ) -> None:
+            n = F.size()
+
+            def multiplier(epoch: float) -> float:
+                return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
+
+            super().__init__(
+                initial_lr,
+                multiplier,
+                start_epoch=0,
+                end_epoch=warmup_epochs,
+                staircase=False,
+                momentum_correction=momentum_correction,
+                steps_per_epoch=steps_per_epoch,
+            )
+            self.verbose = verbose
+            self.warmup_epochs = warmup_epochs
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            if epoch == self.warmup_epochs - 1:
+                _set_lr(self.model.optimizer, self.initial_lr)
+                if self.verbose and F.rank() == 0:
+                    print(
+                        f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                        f"{self.initial_lr:g}."
+                    )
+
+    return SimpleNamespace(
+        BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,
+        MetricAverageCallback=MetricAverageCallback,
+        LearningRateScheduleCallback=LearningRateScheduleCallback,
+        LearningRateWarmupCallback=LearningRateWarmupCallback,
+    )

@@ -1,0 +1,228 @@
+"""``import horovod.keras as hvd``: Horovod for standalone Keras 3 on any installed backend
+(tensorflow, torch, jax).
+
+With the TensorFlow backend everything is ``horovod.tensorflow.keras`` (graph-capable). With the
+other backends gradients are reduced through NumPy in the optimizer's ``apply``, which Keras's
+torch trainer runs eagerly (a jit-compiled JAX train step cannot call out to Python: use
+``model.compile(jit_compile=False)`` with JAX).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+
+from horovod import frontend as F
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.core.messages import ADASUM_OP as Adasum
+from horovod.core.messages import AVERAGE as Average
+from horovod.core.messages import SUM as Sum
+from horovod.frontend import (
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from horovod.keras import callbacks
+
+BACKEND = keras.backend.backend()
+
+
+class _Compression:
+    """Compression for the NumPy path (``Compression.fp16`` sends float16)."""
+
+    none = F.Compression.none
+    fp16 = F.Compression.fp16
+    bf16 = F.Compression.bf16
+
+
+Compression: Any = _Compression
+if BACKEND == "tensorflow":
+    from horovod.tensorflow.compression import Compression  # noqa: F811
+
+
+def _contiguous(value: Any) -> np.ndarray:
+    a = np.asarray(value)  # (np.ascontiguousarray would turn a scalar into shape (1,))
+    return a if a.flags.c_contiguous else a.copy()
+
+
+def _reduce_numpy(grads: list[Any], cfg: dict[str, Any]) -> list[Any]:
+    ps: ProcessSet = cfg["process_set"]
+    if not ps.included() or ps.size() == 1:
+        return grads
+    idx = [i for i, g in enumerate(grads) if g is not None]
+    arrays = [_contiguous(keras.ops.convert_to_numpy(grads[i])) for i in idx]
+    packed = [cfg["compression"].compress(a) for a in arrays]
+    pre, post = 1.0, 1.0
+    if cfg["op"] == Average and cfg["predivide"] != 1.0:
+        pre, post = 1.0 / cfg["predivide"], cfg["predivide"]
+    reduced = F.grouped_allreduce(
+        [p[0] for p in packed],
+        op=cfg["op"],
+        prescale_factor=pre,
+        postscale_factor=post,
+        process_set=ps,
+        name=f"{cfg['name']}.grads",
+    )
+    out = list(grads)
+    for i, r, p in zip(idx, reduced, packed, strict=True):
+        value = cfg["compression"].decompress(r, p[1])
+        out[i] = keras.ops.convert_to_tensor(value, dtype=grads[i].dtype)
+    return out
+
+
+def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+    grads = _reduce_numpy(list(grads), self._hvd_cfg)
+    return self._hvd_base.apply(self, grads, trainable_variables)
+
+
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: int = Average,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """A copy of ``optimizer`` (same class name and config) that averages (``op=Sum``: sums)
+    gradients over the ranks before applying them."""
+    if BACKEND == "tensorflow":
+        from horovod.tensorflow.keras import DistributedOptimizer as TFDistributedOptimizer
+
+        return TFDistributedOptimizer(
+            optimizer,
+            name=name,
+            compression=compression or Compression.none,
+            sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor,
+            op=op,
+            process_set=process_set,
+        )
+    if op not in (Average, Sum):
+        raise ValueError("op currently only supports Average and Sum")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    base = optimizer.__class__
+    cls: Any = type(base.__name__, (base,), {"apply": _apply, "_hvd_base": base})
+    new = cls.from_config(optimizer.get_config())
+    new._hvd_cfg = {
+        "compression": compression or _Compression.none,
+        "op": op,
+        "predivide": gradient_predivide_factor,
+        "process_set": process_set,
+        "name": name or f"Distributed{base.__name__}",
+    }
+    return new
+
+
+def broadcast_variables(variables: Any, root_rank: int, name: str | None = None) -> None:
+    """Assign ``root_rank``'s values to the Keras variables (eagerly)."""
+    vs = list(variables)
+    prefix = name or "broadcast_variables"
+    handles = [
+        F.broadcast_async(
+            _contiguous(keras.ops.convert_to_numpy(v)),
+            root_rank,
+            name=f"{prefix}.{i}.{v.path if hasattr(v, 'path') else v.name}",
+        )
+        for i, v in enumerate(vs)
+    ]
+    for v, h in zip(vs, handles, strict=True):
+        v.assign(F.synchronize(h))
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    raise RuntimeError(
+        "Keras 3 keeps no global variable collection: use "
+        "hvd.broadcast_variables(model.variables, root_rank) or "
+        "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank)"
+    )
+
+
+def allreduce(
+    value: Any,
+    name: str | None = None,
+    average: bool = True,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    op: int | None = None,
+    compression: Any = None,
+) -> np.ndarray:
+    """Eager helper (upstream's default here is ``average=True``): a NumPy array."""
+    return F.allreduce(
+        np.asarray(keras.ops.convert_to_numpy(value)),
+        average=None if op is not None else average,
+        op=op,
+        name=name,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+    )
+
+
+def allgather(value: Any, name: str | None = None) -> np.ndarray:
+    return F.allgather(np.asarray(keras.ops.convert_to_numpy(value)), name=name)
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> np.ndarray:
+    return F.broadcast(np.asarray(keras.ops.convert_to_numpy(value)), root_rank, name=name)
+
+
+def reducescatter(value: Any, name: str | None = None, op: int = Average) -> np.ndarray:
+    return F.reducescatter(np.asarray(keras.ops.convert_to_numpy(value)), name=name, op=op)
+
+
+def load_model(
+    filepath: str,
+    custom_optimizers: Any = None,
+    custom_objects: Any = None,
+    compression: Any = None,
+) -> Any:
+    """Load a model; its optimizer comes back wrapped in a DistributedOptimizer."""
+    model = keras.models.load_model(filepath, custom_objects=custom_objects)
+    if getattr(model, "optimizer", None) is not None:
+        model.optimizer = DistributedOptimizer(model.optimizer, compression=compression)
+    return model
+
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "BACKEND",
+    "Compression",
+    "DistributedOptimizer",
+    "Sum",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "broadcast_global_variables",
+    "broadcast_variables",
+    "callbacks",
+    "cross_rank",
+    "cross_size",
+    "global_process_set",
+    "init",
+    "is_initialized",
+    "load_model",
+    "local_rank",
+    "local_size",
+    "rank",
+    "reducescatter",
+    "shutdown",
+    "size",
+    "start_timeline",
+    "stop_timeline",
+]

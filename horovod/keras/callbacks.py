@@ -1,0 +1,25 @@
+"""Upstream's Keras callbacks for standalone Keras 3: see ``horovod/_keras_callbacks.py``."""
+
+import keras
+
+from horovod import _keras_callbacks
+
+
+def _broadcast(variables, root_rank, name=None):  # type: ignore[no-untyped-def]
+    from horovod.keras import broadcast_variables
+
+    broadcast_variables(variables, root_rank, name=name)
+
+
+_built = _keras_callbacks.build(keras.callbacks.Callback, _broadcast)
+BroadcastGlobalVariablesCallback = _built.BroadcastGlobalVariablesCallback
+MetricAverageCallback = _built.MetricAverageCallback
+LearningRateScheduleCallback = _built.LearningRateScheduleCallback
+LearningRateWarmupCallback = _built.LearningRateWarmupCallback
+
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "MetricAverageCallback",
+]

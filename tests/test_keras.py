@@ -1,0 +1,85 @@
+"""Keras under the real horovodrun, one job per flavour: standalone Keras 3 through
+``horovod.keras`` on the torch and tensorflow backends, and Keras 2 (tf-keras,
+``TF_USE_LEGACY_KERAS=1``) through ``horovod.tensorflow.keras``. Each rank starts from different
+weights and trains on different data; the job must end with identical replicas and the same
+(averaged) metrics on every rank."""
+
+import importlib.util
+import re
+
+import pytest
+
+from conftest import run_script
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = """
+import numpy as np
+import {module} as hvd
+
+hvd.init()
+{keras_import}
+{seed}
+model = keras.Sequential(
+    [keras.layers.Dense(8, activation="relu", input_shape=(4,)), keras.layers.Dense(2)]
+)
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+model.compile(
+    optimizer=opt,
+    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    metrics=["accuracy"],
+)
+rng = np.random.default_rng(hvd.rank())
+x = rng.normal(size=(64, 4)).astype("float32")
+y = (x[:, 0] > 0).astype("int64")
+h = model.fit(
+    x, y, batch_size=16, epochs=2, verbose=0,
+    callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1),
+    ],
+)
+digest = hvd.allgather(np.array([sum(float(np.sum(w)) for w in model.get_weights())]))
+print("class", type(model.optimizer).__name__, "identical", len(set(digest.tolist())) == 1,
+      "loss", h.history["loss"])
+"""
+
+FLAVOURS = {
+    "keras3-torch": (
+        "horovod.keras",
+        "import keras",
+        "keras.utils.set_random_seed(hvd.rank())",
+        {"KERAS_BACKEND": "torch"},
+        ("keras", "torch"),
+    ),
+    "keras3-tensorflow": (
+        "horovod.keras",
+        "import keras",
+        "keras.utils.set_random_seed(hvd.rank())",
+        {"KERAS_BACKEND": "tensorflow"},
+        ("keras", "tensorflow"),
+    ),
+    "tf-keras2": (
+        "horovod.tensorflow.keras",
+        "import tensorflow as tf\nkeras = tf.keras",
+        "tf.random.set_seed(hvd.rank())",
+        {"TF_USE_LEGACY_KERAS": "1"},
+        ("tf_keras", "tensorflow"),
+    ),
+}
+
+
+@pytest.mark.parametrize("flavour", list(FLAVOURS))
+def test_model_fit_ends_with_identical_replicas(flavour):
+    module, keras_import, seed, env, needs = FLAVOURS[flavour]
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+    script = SCRIPT.format(module=module, keras_import=keras_import, seed=seed)
+    out = run_script(script, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"), timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    lines = re.findall(r"\[(\d)\]<stdout>:class SGD identical True loss (\[.*\])", out.stdout)
+    assert len(lines) == 2, text[-4000:]
+    assert lines[0][1] == lines[1][1]  # metrics averaged: the same on both ranks
