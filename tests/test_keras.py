@@ -8,7 +8,6 @@ import importlib.util
 import re
 
 import pytest
-
 from conftest import run_script
 
 pytestmark = pytest.mark.e2e
