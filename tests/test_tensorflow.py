@@ -284,3 +284,33 @@ def test_partial_tape_grouped_allreduce_and_broadcast_in_place():
         assert gw == 1.5  # averaged: (1 + 2) / 2
         assert a == [1.0] and b == [3.0]
         assert v == [1.0, 1.0]
+
+
+def test_sync_batch_norm_uses_the_global_batch():
+    def body(rank):
+        rng = np.random.default_rng(0)
+        full = rng.normal(size=(6, 3)).astype("float32") * 3 + 1
+        mine = full[rank * 3 : rank * 3 + 3]
+        sync = hvd.SyncBatchNormalization(momentum=0.0)
+        ref = tf.keras.layers.BatchNormalization(momentum=0.0)
+        out = sync(tf.constant(mine), training=True)
+        expect = ref(tf.constant(full), training=True)[rank * 3 : rank * 3 + 3]
+        with tf.GradientTape() as tape:
+            x = tf.constant(mine)
+            tape.watch(x)
+            y = tf.reduce_sum(sync(x, training=True) * x)
+        g = tape.gradient(y, x)
+        with pytest.raises(ValueError, match="fused"):
+            hvd.SyncBatchNormalization(fused=True)
+        return (
+            out.numpy(),
+            expect.numpy(),
+            sync.moving_mean.numpy(),
+            ref.moving_mean.numpy(),
+            bool(np.all(np.isfinite(g.numpy()))),
+        )
+
+    for out, expect, mm, ref_mm, finite in run_ranks(body, 2):
+        np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(mm, ref_mm, rtol=1e-5)
+        assert finite

@@ -66,6 +66,7 @@ from horovod.tensorflow.mpi_ops import (
     reducescatter,
     size_op,
 )
+from horovod.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
@@ -260,6 +261,7 @@ __all__ = [
     "ProcessSet",
     "Product",
     "Sum",
+    "SyncBatchNormalization",
     "_executing_eagerly",
     "add_process_set",
     "allgather",
