@@ -314,3 +314,27 @@ def test_sync_batch_norm_uses_the_global_batch():
         np.testing.assert_allclose(out, expect, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(mm, ref_mm, rtol=1e-5)
         assert finite
+
+
+def test_keras_backward_passes_per_step_reduces_on_update_steps_only():
+    import horovod.tensorflow.keras as hk
+    from horovod.core.context import current
+
+    def body(rank):
+        w = tf.keras.Variable([0.0])
+        opt = hk.DistributedOptimizer(
+            tf.keras.optimizers.SGD(1.0),
+            backward_passes_per_step=2,
+            average_aggregated_gradients=True,
+        )
+        before = current().engine.stats["responses"]
+        opt.apply([tf.constant([1.0 + rank])], [w])  # accumulated only
+        mid = current().engine.stats["responses"]
+        opt.apply([tf.constant([3.0 + rank])], [w])  # update: mean of passes, averaged
+        after = current().engine.stats["responses"]
+        return float(w.numpy()[0]), mid - before, after - mid
+
+    for value, first, second in run_ranks(body, 2):
+        # passes average to (1+r + 3+r)/2 = 2 + r; ranks average to 2.5; SGD lr 1
+        assert value == pytest.approx(-2.5)
+        assert first == 0 and second >= 1

@@ -61,9 +61,9 @@ class _DistributedMixin:
             idx.append(i)
             dense.append(g)
         if dense:
-            pre, post = 1.0, 1.0
+            pre, post = 1.0, cfg["aggregate_scale"]
             if cfg["op"] == Average and cfg["predivide"] != 1.0:
-                pre, post = 1.0 / cfg["predivide"], cfg["predivide"]
+                pre, post = 1.0 / cfg["predivide"], cfg["predivide"] * post
             reduced = mpi_ops.grouped_allreduce(
                 dense,
                 op=cfg["op"],
@@ -81,6 +81,12 @@ class _DistributedMixin:
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:  # Keras 3
     grads = self._hvd_reduce(list(grads))
     return self._hvd_base.apply(self, grads, trainable_variables)
+
+
+def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
+    # Keras 3 gradient accumulation: called on update steps only, with the accumulated grads
+    grads = self._hvd_reduce(list(grads))
+    return self._hvd_base._backend_update_step(self, grads, trainable_variables, learning_rate)
 
 
 def _apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:  # Keras 2
@@ -113,23 +119,34 @@ def DistributedOptimizer(
         raise ValueError("op currently only supports Average and Sum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if backward_passes_per_step != 1:
-        raise NotImplementedError(
-            "backward_passes_per_step > 1 is not supported by this version of pyhorovod's "
-            "Keras DistributedOptimizer; accumulate gradients with a GradientTape instead"
-        )
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     base = optimizer.__class__
     keras3 = hasattr(base, "apply") and base.__module__.startswith("keras.")
+    config = optimizer.get_config()
+    aggregate_scale = 1.0
+    if backward_passes_per_step > 1:
+        if not keras3:
+            raise NotImplementedError(
+                "backward_passes_per_step > 1 needs a Keras 3 optimizer (it uses Keras's "
+                "gradient_accumulation_steps); with Keras 2 accumulate gradients yourself"
+            )
+        # Keras accumulates locally and averages; the reduction runs on update steps only.
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+        if not average_aggregated_gradients:  # upstream's default: the sum of the passes
+            aggregate_scale = float(backward_passes_per_step)
     methods: dict[str, Any] = {
         k: v for k, v in _DistributedMixin.__dict__.items() if not k.startswith("__")
     }
     methods["_hvd_base"] = base
-    if keras3:
+    if keras3 and backward_passes_per_step > 1:
+        methods["_backend_update_step"] = _update_step
+    elif keras3:
         methods["apply"] = _apply
     else:
         methods["apply_gradients"] = _apply_gradients
     cls: Any = type(base.__name__, (base,), methods)
-    new = cls.from_config(optimizer.get_config())
+    new = cls.from_config(config)
     new._hvd_cfg = {
         "compression": compression,
         "sparse_as_dense": sparse_as_dense,
@@ -137,6 +154,7 @@ def DistributedOptimizer(
         "predivide": gradient_predivide_factor,
         "process_set": process_set,
         "name": name or f"Distributed{base.__name__}",
+        "aggregate_scale": aggregate_scale,
     }
     return new
 
