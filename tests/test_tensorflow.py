@@ -338,3 +338,24 @@ def test_keras_backward_passes_per_step_reduces_on_update_steps_only():
         # passes average to (1+r + 3+r)/2 = 2 + r; ranks average to 2.5; SGD lr 1
         assert value == pytest.approx(-2.5)
         assert first == 0 and second >= 1
+
+
+@pytest.mark.e2e
+def test_synthetic_benchmark_example_prints_upstream_lines():
+    from conftest import horovodrun_example
+
+    out = horovodrun_example(
+        2,
+        "tensorflow2_synthetic_benchmark.py",
+        "--num-iters",
+        "1",
+        "--num-warmup-batches",
+        "1",
+        "--num-batches-per-iter",
+        "2",
+        "--fp16-allreduce",
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for line in ("Model: convnet", "Number of CPUs: 2", "Iter #0:", "Total img/sec on 2 CPU(s):"):
+        assert line in out.stdout
