@@ -22,7 +22,9 @@ def _set_lr(optimizer: Any, value: float) -> None:
         optimizer.learning_rate = value
 
 
-def build(base: Any, broadcast_variables: Callable[..., Any]) -> SimpleNamespace:
+def build(
+    base: Any, broadcast_variables: Callable[..., Any], checkpoint_base: Any = None
+) -> SimpleNamespace:
     class BroadcastGlobalVariablesCallback(base):
         """Broadcast the model's (and optimizer's) variables from ``root_rank`` when training
         starts, and once more at the end of the first batch, when the optimizer's slot variables
@@ -153,7 +155,43 @@ def build(base: Any, broadcast_variables: Callable[..., Any]) -> SimpleNamespace
                         f"{self.initial_lr:g}."
                     )
 
+    best: Any = None
+    if checkpoint_base is not None:
+
+        class BestModelCheckpoint(checkpoint_base):
+            """``ModelCheckpoint`` that keeps only the best model (``save_best_only=True``),
+            written by rank 0 alone. ``filepath`` may also be set later (``cb.filepath = ...``),
+            as upstream's estimators do."""
+
+            def __init__(
+                self,
+                monitor: str = "val_loss",
+                verbose: int = 0,
+                save_weights_only: bool = False,
+                mode: str = "auto",
+                save_freq: Any = "epoch",
+                filepath: str | None = None,
+            ) -> None:
+                if filepath is None:
+                    filepath = "best.weights.h5" if save_weights_only else "best.keras"
+                super().__init__(
+                    filepath=filepath,
+                    monitor=monitor,
+                    verbose=verbose,
+                    save_best_only=True,
+                    save_weights_only=save_weights_only,
+                    mode=mode,
+                    save_freq=save_freq,
+                )
+
+            def _save_model(self, *args: Any, **kwargs: Any) -> None:
+                if F.rank() == 0:
+                    super()._save_model(*args, **kwargs)
+
+        best = BestModelCheckpoint
+
     return SimpleNamespace(
+        BestModelCheckpoint=best,
         BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,
         MetricAverageCallback=MetricAverageCallback,
         LearningRateScheduleCallback=LearningRateScheduleCallback,

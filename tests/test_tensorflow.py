@@ -359,3 +359,26 @@ def test_synthetic_benchmark_example_prints_upstream_lines():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for line in ("Model: convnet", "Number of CPUs: 2", "Iter #0:", "Total img/sec on 2 CPU(s):"):
         assert line in out.stdout
+
+
+def test_best_model_checkpoint_is_written_by_rank_0_only(tmp_path):
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        keras = tf.keras
+        model = _model(keras, seed=0)
+        model.compile(
+            optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        x = np.random.default_rng(rank).normal(size=(32, 4)).astype("float32")
+        y = (x[:, 0] > 0).astype("int64")
+        cb = hk.callbacks.BestModelCheckpoint(monitor="loss", save_weights_only=True)
+        assert cb.save_best_only
+        cb.filepath = str(tmp_path / f"rank{rank}.weights.h5")  # set later, as upstream allows
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[cb])
+        return rank
+
+    run_ranks(body, 2, timeout=120)
+    assert (tmp_path / "rank0.weights.h5").exists()
+    assert not (tmp_path / "rank1.weights.h5").exists()

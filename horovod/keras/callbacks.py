@@ -11,13 +11,17 @@ def _broadcast(variables, root_rank, name=None):  # type: ignore[no-untyped-def]
     broadcast_variables(variables, root_rank, name=name)
 
 
-_built = _keras_callbacks.build(keras.callbacks.Callback, _broadcast)
+_built = _keras_callbacks.build(
+    keras.callbacks.Callback, _broadcast, keras.callbacks.ModelCheckpoint
+)
+BestModelCheckpoint = _built.BestModelCheckpoint
 BroadcastGlobalVariablesCallback = _built.BroadcastGlobalVariablesCallback
 MetricAverageCallback = _built.MetricAverageCallback
 LearningRateScheduleCallback = _built.LearningRateScheduleCallback
 LearningRateWarmupCallback = _built.LearningRateWarmupCallback
 
 __all__ = [
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
