@@ -190,7 +190,7 @@ def _model(keras, seed):
     )
 
 
-def test_keras_fit_trains_the_same_model_on_every_rank():
+def test_keras_fit_trains_the_same_model_on_every_rank(n):
     import horovod.tensorflow.keras as hk
 
     def body(rank):
@@ -220,9 +220,9 @@ def test_keras_fit_trains_the_same_model_on_every_rank():
         )
         return [w.tolist() for w in model.get_weights()], hist.history["loss"]
 
-    (w0, l0), (w1, l1) = run_ranks(body, 2, timeout=120)
-    assert w0 == w1  # identical replicas
-    assert l0 == l1  # metrics averaged over ranks
+    results = run_ranks(body, n, timeout=120)
+    assert all(w == results[0][0] for w, _ in results)  # identical replicas
+    assert all(loss == results[0][1] for _, loss in results)  # metrics averaged over ranks
 
 
 def test_keras_optimizer_argument_errors():
