@@ -82,3 +82,34 @@ def test_model_fit_ends_with_identical_replicas(flavour):
     lines = re.findall(r"\[(\d)\]<stdout>:class SGD identical True loss (\[.*\])", out.stdout)
     assert len(lines) == 2, text[-4000:]
     assert lines[0][1] == lines[1][1]  # metrics averaged: the same on both ranks
+
+
+def test_keras2_backward_passes_per_step():
+    if importlib.util.find_spec("tf_keras") is None:
+        pytest.skip("needs tf_keras")
+    script = """
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow.keras as hvd
+
+hvd.init()
+keras = tf.keras
+w = tf.Variable([0.0])
+opt = hvd.DistributedOptimizer(
+    keras.optimizers.SGD(1.0), backward_passes_per_step=2, average_aggregated_gradients=True
+)
+
+@tf.function
+def step(g):
+    opt.apply_gradients([(g, w)])
+
+for p in range(4):
+    step(tf.constant([float(p + 1 + hvd.rank())]))
+print("module", type(opt).__mro__[1].__module__, "value", float(w.numpy()[0]))
+"""
+    out = run_script(script, env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    # passes (1,2) and (3,4) per rank r shifted by r; mean over passes, then over ranks:
+    # 2 + 4 = 6 applied with lr 1
+    values = re.findall(r"module tf_keras\S* value (\S+)", out.stdout)
+    assert values == ["-6.0", "-6.0"], out.stdout

@@ -384,3 +384,36 @@ def test_best_model_checkpoint_is_written_by_rank_0_only(tmp_path):
     run_ranks(body, 2, timeout=120)
     assert (tmp_path / "rank0.weights.h5").exists()
     assert not (tmp_path / "rank1.weights.h5").exists()
+
+
+def test_local_gradient_aggregation_helper_reduces_every_n_passes():
+    from horovod.core.context import current
+
+    def body(rank):
+        def reduce(values):
+            return hvd.grouped_allreduce(values, op=hvd.Average)
+
+        out = {}
+        for mode in ("eager", "graph"):
+            helper = hvd.LocalGradientAggregationHelper(3, reduce)
+            w = tf.Variable([0.0])
+
+            def step(g, helper=helper, w=w):
+                (agg,) = helper.compute_gradients([g], [w])
+                helper.apply_gradients(lambda agg=agg: w.assign_sub(agg))
+
+            fn = step if mode == "eager" else tf.function(step)
+            sent = []
+            for p in range(6):
+                before = current().engine.stats["responses"]
+                fn(tf.constant([float(p + 1 + rank)]))
+                sent.append(current().engine.stats["responses"] - before)
+            out[mode] = (float(w.numpy()[0]), sent)
+        return out
+
+    for out in run_ranks(body, 2):
+        for mode in ("eager", "graph"):
+            value, sent = out[mode]
+            # passes 1-3 sum to 6 + 3r, passes 4-6 to 15 + 3r; averaged over ranks r = 0, 1
+            assert value == pytest.approx(-(7.5 + 16.5)), mode
+            assert [s > 0 for s in sent] == [False, False, True] * 2, (mode, sent)

@@ -41,6 +41,7 @@ from horovod.frontend import (
     stop_timeline,
 )
 from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from horovod.tensorflow.mpi_ops import (
     Average,
     Sum,
@@ -255,6 +256,7 @@ __all__ = [
     "DistributedOptimizer",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "LocalGradientAggregationHelper",
     "Max",
     "Min",
     "PartialDistributedGradientTape",

@@ -28,6 +28,7 @@ from horovod.frontend import (
 )
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from horovod.tensorflow.keras import callbacks
 from horovod.tensorflow.mpi_ops import Average, Sum
 
@@ -89,6 +90,29 @@ def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate:
     return self._hvd_base._backend_update_step(self, grads, trainable_variables, learning_rate)
 
 
+def _apply_gradients_aggregated(
+    self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any
+) -> Any:  # Keras 2 with backward_passes_per_step > 1
+    pairs = list(grads_and_vars)
+    variables = [v for _, v in pairs]
+    grads = self._hvd_agg.compute_gradients([g for g, _ in pairs], variables)
+    # slot variables must exist before the update is put under a tf.cond
+    if hasattr(self, "build") and not getattr(self, "_built", True):
+        self.build(variables)
+    elif hasattr(self, "_create_all_weights"):
+        self._create_all_weights(variables)
+
+    def apply() -> Any:
+        return self._hvd_base.apply_gradients(
+            self,
+            [(g, v) for g, v in zip(grads, variables, strict=True) if g is not None],
+            *args,
+            **kwargs,
+        )
+
+    return self._hvd_agg.apply_gradients(apply)
+
+
 def _apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:  # Keras 2
     pairs = list(grads_and_vars)
     grads = self._hvd_reduce([g for g, _ in pairs])
@@ -126,15 +150,11 @@ def DistributedOptimizer(
     config = optimizer.get_config()
     aggregate_scale = 1.0
     if backward_passes_per_step > 1:
-        if not keras3:
-            raise NotImplementedError(
-                "backward_passes_per_step > 1 needs a Keras 3 optimizer (it uses Keras's "
-                "gradient_accumulation_steps); with Keras 2 accumulate gradients yourself"
-            )
-        # Keras accumulates locally and averages; the reduction runs on update steps only.
-        config["gradient_accumulation_steps"] = backward_passes_per_step
-        if not average_aggregated_gradients:  # upstream's default: the sum of the passes
-            aggregate_scale = float(backward_passes_per_step)
+        if keras3:
+            # Keras accumulates locally and averages; the reduction runs on update steps only.
+            config["gradient_accumulation_steps"] = backward_passes_per_step
+            if not average_aggregated_gradients:  # upstream's default: the sum of the passes
+                aggregate_scale = float(backward_passes_per_step)
     methods: dict[str, Any] = {
         k: v for k, v in _DistributedMixin.__dict__.items() if not k.startswith("__")
     }
@@ -143,6 +163,8 @@ def DistributedOptimizer(
         methods["_backend_update_step"] = _update_step
     elif keras3:
         methods["apply"] = _apply
+    elif backward_passes_per_step > 1:
+        methods["apply_gradients"] = _apply_gradients_aggregated
     else:
         methods["apply_gradients"] = _apply_gradients
     cls: Any = type(base.__name__, (base,), methods)
@@ -156,6 +178,14 @@ def DistributedOptimizer(
         "name": name or f"Distributed{base.__name__}",
         "aggregate_scale": aggregate_scale,
     }
+    if not keras3 and backward_passes_per_step > 1:
+        new._hvd_agg = LocalGradientAggregationHelper(
+            backward_passes_per_step,
+            new._hvd_reduce,
+            sparse_as_dense=sparse_as_dense,
+            average_aggregated_gradients=average_aggregated_gradients,
+            process_set=process_set,
+        )
     return new
 
 
