@@ -14,6 +14,23 @@ import numpy as np
 from horovod import frontend as F
 
 
+def _get_lr(optimizer: Any) -> float:
+    lr = optimizer.learning_rate
+    return float(np.asarray(lr.numpy() if hasattr(lr, "numpy") else lr))
+
+
+def _momentum_buffers(optimizer: Any, variables: Any) -> list[Any]:
+    """The velocity variables of a momentum optimizer (Keras 3 ``momentums``, Keras 2 slots)."""
+    if not float(getattr(optimizer, "momentum", 0.0) or 0.0):
+        return []
+    buffers = getattr(optimizer, "momentums", None)
+    if buffers:
+        return list(buffers)
+    if hasattr(optimizer, "get_slot_names") and "momentum" in optimizer.get_slot_names():
+        return [optimizer.get_slot(v, "momentum") for v in variables]
+    return []
+
+
 def _set_lr(optimizer: Any, value: float) -> None:
     lr = optimizer.learning_rate
     if hasattr(lr, "assign"):
@@ -87,6 +104,7 @@ def build(
             steps_per_epoch: int | None = None,
         ) -> None:
             super().__init__()
+            self.momentum_correction = momentum_correction
             self.initial_lr = initial_lr
             self.start_epoch, self.end_epoch = start_epoch, end_epoch
             self.staircase = staircase
@@ -115,7 +133,17 @@ def build(
                 steps = self.steps_per_epoch or 1
                 epoch = self.epoch + batch / steps
             if self._active(epoch):
-                _set_lr(self.model.optimizer, self.initial_lr * self.multiplier(epoch))
+                self._change_lr(self.initial_lr * self.multiplier(epoch))
+
+        def _change_lr(self, new: float) -> None:
+            opt = self.model.optimizer
+            old = _get_lr(opt)
+            if self.momentum_correction and old > 0 and new != old:
+                # upstream's momentum correction: momentum x new/old for this step, i.e. the
+                # velocity scaled by new/old before the step (no retrace needed)
+                for m in _momentum_buffers(opt, self.model.trainable_variables):
+                    m.assign(m * (new / old))
+            _set_lr(opt, new)
 
     class LearningRateWarmupCallback(LearningRateScheduleCallback):
         """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over
@@ -148,7 +176,7 @@ def build(
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             if epoch == self.warmup_epochs - 1:
-                _set_lr(self.model.optimizer, self.initial_lr)
+                self._change_lr(self.initial_lr)
                 if self.verbose and F.rank() == 0:
                     print(
                         f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "

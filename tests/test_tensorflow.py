@@ -417,3 +417,57 @@ def test_local_gradient_aggregation_helper_reduces_every_n_passes():
             # passes 1-3 sum to 6 + 3r, passes 4-6 to 15 + 3r; averaged over ranks r = 0, 1
             assert value == pytest.approx(-(7.5 + 16.5)), mode
             assert [s > 0 for s in sent] == [False, False, True] * 2, (mode, sent)
+
+
+def test_tf1_graph_optimizer_and_broadcast_hook():
+    def body(rank):
+        graph = tf.Graph()
+        with graph.as_default():
+            v = tf.compat.v1.get_variable(
+                "v", initializer=tf.constant([1.0 + rank]), use_resource=True
+            )
+            loss = tf.reduce_sum(v * (rank + 1))
+            opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+            assert isinstance(opt, tf.compat.v1.train.Optimizer)
+            train = opt.minimize(loss)
+            hook = hvd.BroadcastGlobalVariablesHook(0)
+            with tf.compat.v1.train.MonitoredSession(hooks=[hook]) as sess:
+                start = sess.run(v)
+                sess.run(train)
+                end = sess.run(v)
+        return float(start[0]), float(end[0])
+
+    for start, end in run_ranks(body, 2, timeout=120):
+        assert start == 1.0  # rank 0's initial value everywhere
+        assert end == pytest.approx(1.0 - 1.5)  # averaged gradient (1 + 2) / 2
+
+
+def test_learning_rate_change_corrects_momentum():
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        model = _model(tf.keras, seed=0)
+        opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+        opt.build(model.trainable_variables)
+        for m in opt.momentums:
+            m.assign(tf.ones_like(m))
+        model.compile(optimizer=opt, loss="mse")
+        cb = hk.callbacks.LearningRateScheduleCallback(0.1, multiplier=2.0, staircase=True)
+        cb.set_model(model)
+        cb.on_epoch_begin(1)
+        cb.on_train_batch_begin(0)  # epoch 1: lr 0.1 * 2 ** 1
+        doubled = float(opt.learning_rate.numpy())
+        scaled = {float(np.unique(m.numpy())[0]) for m in opt.momentums}
+        off = hk.callbacks.LearningRateScheduleCallback(
+            0.1, multiplier=2.0, momentum_correction=False
+        )
+        off.set_model(model)
+        off.on_epoch_begin(2)
+        off.on_train_batch_begin(0)
+        kept = {float(np.unique(m.numpy())[0]) for m in opt.momentums}
+        return doubled, scaled, kept
+
+    for doubled, scaled, kept in run_ranks(body, 1):
+        assert doubled == pytest.approx(0.2)
+        assert scaled == {2.0}  # velocity x new/old, as upstream's momentum correction
+        assert kept == {2.0}  # momentum_correction=False leaves it alone

@@ -133,43 +133,73 @@ class _DistributedGradientTape:
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def _hvd_reduce(self, sources: list[Any], grads: list[Any], generic: bool) -> list[Any]:
-        ps = self._hvd_process_set
-        if not ps.included() or ps.size() == 1:
-            return grads
-        n = ps.size()
-        out: list[Any] = list(grads)
-        dense_idx, dense = [], []
-        for i, (s, g) in enumerate(zip(sources, grads, strict=True)):
-            if g is None:
+        return _reduce_gradients(
+            sources,
+            grads,
+            op=self._hvd_op,
+            compression=self._hvd_compression,
+            predivide=self._hvd_predivide,
+            sparse_as_dense=self._hvd_sparse_as_dense,
+            process_set=self._hvd_process_set,
+            local_ids=self._hvd_local_sources,
+            scale_local=self._hvd_scale_local,
+            name=None if generic else "DistributedGradientTape",
+        )
+
+
+def _reduce_gradients(
+    sources: list[Any],
+    grads: list[Any],
+    *,
+    op: int,
+    compression: Any,
+    predivide: float,
+    sparse_as_dense: bool,
+    process_set: ProcessSet,
+    local_ids: set[int],
+    scale_local: bool,
+    name: str | None,
+) -> list[Any]:
+    """Gradients reduced over ``process_set``: dense ones in one grouped allreduce, sparse
+    ones as allgathers (unless ``sparse_as_dense``), local ones only scaled."""
+    ps = process_set
+    if not ps.included() or ps.size() == 1:
+        return grads
+    n = ps.size()
+    out: list[Any] = list(grads)
+    dense_idx, dense = [], []
+    for i, (s, g) in enumerate(zip(sources, grads, strict=True)):
+        if g is None:
+            continue
+        if id(s) in local_ids:
+            if scale_local:
+                out[i] = g / tf.cast(n, g.dtype)
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            if not sparse_as_dense:
+                out[i] = allreduce(
+                    g, op=op, process_set=ps, name=f"{name}.sparse.{i}" if name else None
+                )
                 continue
-            if id(s) in self._hvd_local_sources:
-                if self._hvd_scale_local:
-                    out[i] = g / tf.cast(n, g.dtype)
-                continue
-            if isinstance(g, tf.IndexedSlices):
-                if not self._hvd_sparse_as_dense:
-                    name = None if generic else f"DistributedGradientTape.sparse.{i}"
-                    out[i] = allreduce(g, op=self._hvd_op, process_set=ps, name=name)
-                    continue
-                g = tf.convert_to_tensor(g)
-            dense_idx.append(i)
-            dense.append(g)
-        if dense:
-            pre, post = 1.0, 1.0
-            if self._hvd_op == Average and self._hvd_predivide != 1.0:
-                pre, post = 1.0 / self._hvd_predivide, self._hvd_predivide
-            reduced = grouped_allreduce(
-                dense,
-                op=self._hvd_op,
-                compression=self._hvd_compression,
-                prescale_factor=pre,
-                postscale_factor=post,
-                process_set=ps,
-                name=None if generic else "DistributedGradientTape",
-            )
-            for i, r in zip(dense_idx, reduced, strict=True):
-                out[i] = r
-        return out
+            g = tf.convert_to_tensor(g)
+        dense_idx.append(i)
+        dense.append(g)
+    if dense:
+        pre, post = 1.0, 1.0
+        if op == Average and predivide != 1.0:
+            pre, post = 1.0 / predivide, predivide
+        reduced = grouped_allreduce(
+            dense,
+            op=op,
+            compression=compression,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=ps,
+            name=name,
+        )
+        for i, r in zip(dense_idx, reduced, strict=True):
+            out[i] = r
+    return out
 
 
 def DistributedGradientTape(
@@ -241,16 +271,143 @@ def PartialDistributedGradientTape(
     return tape
 
 
-def DistributedOptimizer(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-    """Keras optimizers: see ``horovod.tensorflow.keras.DistributedOptimizer``."""
+class _DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
+    """A ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` returns gradients reduced
+    over the ranks; everything else is the wrapped optimizer's."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        name: str | None,
+        use_locking: bool,
+        compression: Any,
+        sparse_as_dense: bool,
+        op: int,
+        gradient_predivide_factor: float,
+        process_set: ProcessSet,
+        scale_local_gradients: bool,
+    ) -> None:
+        super().__init__(
+            name=name or f"Distributed{type(optimizer).__name__}", use_locking=use_locking
+        )
+        self._optimizer = optimizer
+        self._hvd = dict(
+            op=op,
+            compression=compression,
+            predivide=gradient_predivide_factor,
+            sparse_as_dense=sparse_as_dense,
+            process_set=process_set,
+            scale_local=scale_local_gradients,
+        )
+        self._local_ids: set[int] = set()
+
+    def register_local_var(self, var: Any) -> None:
+        """``var``'s gradient stays local (divided by the set size when scale_local_gradients)."""
+        self._local_ids.add(id(var))
+
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        variables = [v for _, v in pairs]
+        grads = _reduce_gradients(
+            variables,
+            [g for g, _ in pairs],
+            local_ids=self._local_ids,
+            name=f"{self.get_name()}.grads",
+            **self._hvd,  # type: ignore[arg-type]
+        )
+        return list(zip(grads, variables, strict=True))
+
+    def apply_gradients(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.apply_gradients(*args, **kwargs)
+
+    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args: Any, **kwargs: Any) -> Any:
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """Wrap a ``tf.compat.v1.train.Optimizer`` (gradients reduced in ``compute_gradients``) or a
+    Keras optimizer (see ``horovod.tensorflow.keras.DistributedOptimizer``)."""
+    if op == Adasum:
+        raise NotImplementedError(
+            "op=Adasum is not supported by this version of pyhorovod; use Average or Sum"
+        )
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if backward_passes_per_step != 1:
+            raise NotImplementedError(
+                "backward_passes_per_step > 1 is supported for Keras optimizers only"
+            )
+        return _DistributedOptimizerV1(
+            optimizer,
+            name,
+            use_locking,
+            compression,
+            sparse_as_dense,
+            op,
+            gradient_predivide_factor,
+            process_set,
+            scale_local_gradients,
+        )
     from horovod.tensorflow.keras import DistributedOptimizer as KerasDistributedOptimizer
 
-    return KerasDistributedOptimizer(optimizer, *args, **kwargs)
+    return KerasDistributedOptimizer(
+        optimizer,
+        name=name,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """TF1 sessions: broadcast every global variable from ``root_rank`` once the session is
+    created (or its variables restored from a checkpoint)."""
+
+    def __init__(self, root_rank: int, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.bcast_op: Any = None
+
+    def begin(self) -> None:
+        if self.bcast_op is None or self.bcast_op.graph != tf.compat.v1.get_default_graph():
+            self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        session.run(self.bcast_op)
 
 
 __all__ = [
     "Adasum",
     "Average",
+    "BroadcastGlobalVariablesHook",
     "Compression",
     "DistributedGradientTape",
     "DistributedOptimizer",
