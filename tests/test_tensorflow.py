@@ -471,3 +471,27 @@ def test_learning_rate_change_corrects_momentum():
         assert doubled == pytest.approx(0.2)
         assert scaled == {2.0}  # velocity x new/old, as upstream's momentum correction
         assert kept == {2.0}  # momentum_correction=False leaves it alone
+
+
+def test_eager_results_are_shared_not_copied():
+    from horovod.tensorflow.mpi_ops import _to_tensor
+
+    raw = np.empty(4 * 4096 + 64, np.uint8)  # a 64-byte aligned float32 array of 4096
+    start = -raw.ctypes.data % 64
+    a = raw[start : start + 4 * 4096].view(np.float32).reshape(64, 64)
+    a[:] = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    t = _to_tensor(a, tf.float32)
+    assert np.shares_memory(np.asarray(t), a)  # DLPack hand-off
+    small = np.arange(8, dtype=np.float32)[1:]  # misaligned view: copied, never handed over
+    assert not np.shares_memory(np.asarray(_to_tensor(small, tf.float32)), small)
+    b = np.array([True, False])
+    assert _to_tensor(b, tf.bool).numpy().tolist() == [True, False]
+    f16 = np.ones(3, np.float16)
+    assert _to_tensor(f16, tf.float16).dtype == tf.float16
+    assert _to_tensor(np.float64(2.5), tf.float64).numpy() == 2.5  # numpy scalar: copied
+
+    def body(rank):
+        x = tf.constant([1.0, 2.0])
+        return hvd.allreduce(x, op=hvd.Sum).numpy().tolist()
+
+    assert run_ranks(body, 2) == [[2.0, 4.0], [2.0, 4.0]]

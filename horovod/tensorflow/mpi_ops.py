@@ -58,8 +58,9 @@ def _run(
 ) -> list[tf.Tensor]:
     """Run ``fn`` (NumPy arrays in, arrays out) now if eager, else as a graph op."""
     if tf.executing_eagerly():
+        # np.asarray of a CPU EagerTensor is a view of its buffer: no copy in
         outs = fn(*[np.asarray(x) for x in inputs])
-        return [tf.convert_to_tensor(o, dtype=d) for o, d in zip(outs, touts, strict=True)]
+        return [_to_tensor(o, d) for o, d in zip(outs, touts, strict=True)]
     bound = _context.bind(fn)
 
     def np_fn(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -71,6 +72,24 @@ def _run(
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     _last_op[graph] = outs[:1]
     return outs
+
+
+def _to_tensor(value: Any, dtype: tf.DType) -> tf.Tensor:
+    """A result array as a tensor: shared through DLPack when TensorFlow can take it (the
+    engine allocated it for this call; TensorFlow's kernels need 64-byte aligned buffers, which
+    large allocations are), copied otherwise."""
+    if (
+        isinstance(value, np.ndarray)
+        and value.flags.c_contiguous
+        and value.ctypes.data % 64 == 0
+        and value.dtype == dtype.as_numpy_dtype
+        and value.dtype.kind in "biuf"
+    ):
+        try:
+            return tf.experimental.dlpack.from_dlpack(value.__dlpack__())
+        except Exception:  # noqa: BLE001 - a dtype or layout DLPack cannot carry: copy
+            pass
+    return tf.convert_to_tensor(value, dtype=dtype)
 
 
 def _dense(tensor: Any) -> tf.Tensor:
