@@ -495,3 +495,48 @@ def test_eager_results_are_shared_not_copied():
         return hvd.allreduce(x, op=hvd.Sum).numpy().tolist()
 
     assert run_ranks(body, 2) == [[2.0, 4.0], [2.0, 4.0]]
+
+
+def test_keras_helpers(n):
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        return (
+            hk.allreduce(np.array([1.0, 2.0]) * (rank + 1), name="h.ar").tolist(),
+            hk.allreduce(np.array([1.0]), op=hk.Sum, name="h.sum").tolist(),
+            hk.allgather(np.array([[rank]]), name="h.ag").ravel().tolist(),
+            hk.broadcast(np.array([rank, rank]), 0, name="h.bc").tolist(),
+            hk.reducescatter(np.ones((n, 2)) * rank, name="h.rs", op=hk.Sum).tolist(),
+        )
+
+    mean = sum(range(1, n + 1)) / n
+    total = sum(range(n))
+    for ar, s, ag, bc, rs in run_ranks(body, n):
+        assert ar == pytest.approx([mean, 2 * mean])
+        assert s == [float(n)]
+        assert ag == list(range(n))
+        assert bc == [0, 0]
+        assert rs == [[float(total)] * 2]
+
+
+# Keras's HDF5/zip writers trip a NumPy 2 deprecation of their own (not ours)
+@pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword")
+def test_keras_load_model_returns_a_distributed_optimizer(tmp_path):
+    import horovod.tensorflow.keras as hk
+
+    def body(rank):
+        model = _model(tf.keras, seed=0)
+        model.compile(optimizer=hk.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)), loss="mse")
+        model.fit(np.ones((4, 4)), np.ones((4, 2)), verbose=0, epochs=1)
+        path = str(tmp_path / f"m{rank}.keras")
+        model.save(path)
+        plain = tf.keras.models.load_model(path)  # loads without Horovod
+        loaded = hk.load_model(path)
+        return (
+            type(plain.optimizer).__name__,
+            hasattr(plain.optimizer, "_hvd_cfg"),
+            type(loaded.optimizer).__name__,
+            hasattr(loaded.optimizer, "_hvd_cfg"),
+        )
+
+    assert run_ranks(body, 2, timeout=120) == [("Adam", False, "Adam", True)] * 2

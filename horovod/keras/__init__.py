@@ -117,7 +117,17 @@ def DistributedOptimizer(
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     base = optimizer.__class__
-    cls: Any = type(base.__name__, (base,), {"apply": _apply, "_hvd_base": base})
+    cls: Any = type(
+        base.__name__,
+        (base,),
+        {
+            "apply": _apply,
+            "_hvd_base": base,
+            # saved models record these: loadable without Horovod
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+        },
+    )
     new = cls.from_config(optimizer.get_config())
     new._hvd_cfg = {
         "compression": compression or _Compression.none,

@@ -159,6 +159,10 @@ def DistributedOptimizer(
         k: v for k, v in _DistributedMixin.__dict__.items() if not k.startswith("__")
     }
     methods["_hvd_base"] = base
+    # Keras records module and class name when saving: make them the wrapped optimizer's, so
+    # the saved model loads without Horovod (hvd.load_model wraps it again).
+    methods["__module__"] = base.__module__
+    methods["__qualname__"] = base.__qualname__
     if keras3 and backward_passes_per_step > 1:
         methods["_backend_update_step"] = _update_step
     elif keras3:
