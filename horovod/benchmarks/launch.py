@@ -14,6 +14,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_args(
+    module: str, kind: str, model: str, steps: int, warmup: int, batch: int, out: str
+) -> list[str]:
+    """``python -m`` arguments that run one training-benchmark worker of ``module``."""
+    return [
+        module,
+        "--worker",
+        kind,
+        "--models",
+        model,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--batch-size",
+        str(batch),
+        "--out",
+        out,
+    ]
+
+
 def command(
     launcher: str, np_: int, module_args: list[str], extra_env: dict[str, str] | None = None
 ) -> tuple[list[str], dict]:

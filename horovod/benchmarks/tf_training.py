@@ -138,21 +138,9 @@ def _run_mwms(np_: int, args: list[str]) -> None:
 
 def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    args = [
-        "horovod.benchmarks.tf_training",
-        "--worker",
-        kind,
-        "--models",
-        model,
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(warmup),
-        "--batch-size",
-        str(batch),
-        "--out",
-        out,
-    ]
+    args = launch.worker_args(
+        "horovod.benchmarks.tf_training", kind, model, steps, warmup, batch, out
+    )
     if kind == "mwms":
         _run_mwms(np_, args)
     else:

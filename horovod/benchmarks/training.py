@@ -93,21 +93,7 @@ def run(
     extra_env: dict[str, str] | None = None,
 ) -> float:
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    args = [
-        "horovod.benchmarks.training",
-        "--worker",
-        kind,
-        "--models",
-        model,
-        "--steps",
-        str(steps),
-        "--warmup",
-        str(warmup),
-        "--batch-size",
-        str(batch),
-        "--out",
-        out,
-    ]
+    args = launch.worker_args("horovod.benchmarks.training", kind, model, steps, warmup, batch, out)
     launcher = {"plain": "none", "horovod": "horovodrun", "ddp": "torchrun"}[kind]
     launch.run(launcher, np_, args, extra_env)
     with open(out) as f:
