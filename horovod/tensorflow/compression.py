@@ -6,27 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-
-class Compressor:
-    """``compress(tensor) -> (tensor, ctx)``; ``decompress(tensor, ctx) -> tensor``."""
-
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
-        return tensor
+from horovod.frontend import Compressor, NoneCompressor
 
 
 def _cast_compressor(target: tf.DType) -> type[Compressor]:
@@ -46,6 +26,9 @@ def _cast_compressor(target: tf.DType) -> type[Compressor]:
 
 FP16Compressor = _cast_compressor(tf.float16)
 BF16Compressor = _cast_compressor(tf.bfloat16)
+
+
+__all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "NoneCompressor"]
 
 
 class Compression:
