@@ -67,6 +67,9 @@ from horovod.tensorflow.mpi_ops import (
     reducescatter,
     size_op,
 )
+from horovod.tensorflow.mpi_ops import (
+    reduce_gradients as _reduce_gradients,
+)
 from horovod.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 
@@ -145,61 +148,6 @@ class _DistributedGradientTape:
             scale_local=self._hvd_scale_local,
             name=None if generic else "DistributedGradientTape",
         )
-
-
-def _reduce_gradients(
-    sources: list[Any],
-    grads: list[Any],
-    *,
-    op: int,
-    compression: Any,
-    predivide: float,
-    sparse_as_dense: bool,
-    process_set: ProcessSet,
-    local_ids: set[int],
-    scale_local: bool,
-    name: str | None,
-) -> list[Any]:
-    """Gradients reduced over ``process_set``: dense ones in one grouped allreduce, sparse
-    ones as allgathers (unless ``sparse_as_dense``), local ones only scaled."""
-    ps = process_set
-    if not ps.included() or ps.size() == 1:
-        return grads
-    n = ps.size()
-    out: list[Any] = list(grads)
-    dense_idx, dense = [], []
-    for i, (s, g) in enumerate(zip(sources, grads, strict=True)):
-        if g is None:
-            continue
-        if id(s) in local_ids:
-            if scale_local:
-                out[i] = g / tf.cast(n, g.dtype)
-            continue
-        if isinstance(g, tf.IndexedSlices):
-            if not sparse_as_dense:
-                out[i] = allreduce(
-                    g, op=op, process_set=ps, name=f"{name}.sparse.{i}" if name else None
-                )
-                continue
-            g = tf.convert_to_tensor(g)
-        dense_idx.append(i)
-        dense.append(g)
-    if dense:
-        pre, post = 1.0, 1.0
-        if op == Average and predivide != 1.0:
-            pre, post = 1.0 / predivide, predivide
-        reduced = grouped_allreduce(
-            dense,
-            op=op,
-            compression=compression,
-            prescale_factor=pre,
-            postscale_factor=post,
-            process_set=ps,
-            name=name,
-        )
-        for i, r in zip(dense_idx, reduced, strict=True):
-            out[i] = r
-    return out
 
 
 def DistributedGradientTape(

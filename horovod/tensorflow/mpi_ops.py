@@ -508,6 +508,64 @@ def grouped_reducescatter(
     return [compression.decompress(y, p[1]) for y, p in zip(ys, packed, strict=True)]
 
 
+# ------------------------------------------------------------------------------- gradients
+def reduce_gradients(
+    sources: list[Any],
+    grads: list[Any],
+    *,
+    op: int,
+    compression: Any,
+    predivide: float,
+    sparse_as_dense: bool,
+    process_set: ProcessSet,
+    local_ids: set[int],
+    scale_local: bool,
+    name: str | None,
+    postscale: float = 1.0,
+) -> list[Any]:
+    """Gradients reduced over ``process_set``: dense ones in one grouped allreduce, sparse
+    ones as allgathers (unless ``sparse_as_dense``), local ones only scaled. ``postscale``
+    multiplies the dense results (the sum of aggregated backward passes)."""
+    ps = process_set
+    if not ps.included() or ps.size() == 1:
+        return grads
+    n = ps.size()
+    out: list[Any] = list(grads)
+    dense_idx, dense = [], []
+    for i, (s, g) in enumerate(zip(sources, grads, strict=True)):
+        if g is None:
+            continue
+        if id(s) in local_ids:
+            if scale_local:
+                out[i] = g / tf.cast(n, g.dtype)
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            if not sparse_as_dense:
+                out[i] = allreduce(
+                    g, op=op, process_set=ps, name=f"{name}.sparse.{i}" if name else None
+                )
+                continue
+            g = tf.convert_to_tensor(g)
+        dense_idx.append(i)
+        dense.append(g)
+    if dense:
+        pre, post = 1.0, postscale
+        if op == Average and predivide != 1.0:
+            pre, post = 1.0 / predivide, predivide * postscale
+        reduced = grouped_allreduce(
+            dense,
+            op=op,
+            compression=compression,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=ps,
+            name=name,
+        )
+        for i, r in zip(dense_idx, reduced, strict=True):
+            out[i] = r
+    return out
+
+
 # ------------------------------------------------------------------------------- the rest
 def join() -> int:
     """This rank has no more data; returns the rank that joined last."""

@@ -46,37 +46,19 @@ class _DistributedMixin:
 
     def _hvd_reduce(self, grads: list[Any]) -> list[Any]:
         cfg = self._hvd_cfg
-        ps = cfg["process_set"]
-        if not ps.included() or ps.size() == 1:
-            return grads
-        out = list(grads)
-        idx, dense = [], []
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            if isinstance(g, tf.IndexedSlices):
-                if not cfg["sparse_as_dense"]:
-                    out[i] = mpi_ops.allreduce(g, op=cfg["op"], process_set=ps)
-                    continue
-                g = tf.convert_to_tensor(g)
-            idx.append(i)
-            dense.append(g)
-        if dense:
-            pre, post = 1.0, cfg["aggregate_scale"]
-            if cfg["op"] == Average and cfg["predivide"] != 1.0:
-                pre, post = 1.0 / cfg["predivide"], cfg["predivide"] * post
-            reduced = mpi_ops.grouped_allreduce(
-                dense,
-                op=cfg["op"],
-                compression=cfg["compression"],
-                prescale_factor=pre,
-                postscale_factor=post,
-                process_set=ps,
-                name=f"{cfg['name']}.grads",
-            )
-            for i, r in zip(idx, reduced, strict=True):
-                out[i] = r
-        return out
+        return mpi_ops.reduce_gradients(
+            [None] * len(grads),
+            grads,
+            op=cfg["op"],
+            compression=cfg["compression"],
+            predivide=cfg["predivide"],
+            sparse_as_dense=cfg["sparse_as_dense"],
+            process_set=cfg["process_set"],
+            local_ids=set(),
+            scale_local=False,
+            name=f"{cfg['name']}.grads",
+            postscale=cfg["aggregate_scale"],
+        )
 
 
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:  # Keras 3
