@@ -4,37 +4,25 @@ Every function works on flat C-contiguous NumPy arrays and leaves bitwise-identi
 every rank: reductions are combined in one fixed order (rank order for the direct algorithms,
 one owner per segment for the ring), so floating-point sums never differ between ranks.
 
-Small messages use direct exchange (one round: every rank sends its data to every other rank),
-large ones the bandwidth-optimal ring (reduce-scatter then allgather). ``SMALL_BYTES`` is the
-switch point; it is per-process configuration, not a per-call choice, so all ranks agree.
+Small messages use latency-optimal algorithms: direct exchange (one round: every rank sends its
+data to every other rank), recursive doubling for allreduce on a power-of-two number of ranks
+above 2, a binomial tree for broadcast. Large ones use bandwidth-optimal ones: the ring
+(reduce-scatter then allgather, reducing straight out of the transport's buffers where it can)
+and a pipelined chain broadcast. ``SMALL_BYTES`` is the switch point (HOROVOD_RING_THRESHOLD_
+BYTES); every rank checks at init that it has the same value, so all ranks pick the same
+algorithm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from horovod.transport.base import as_bytes
+from horovod.transport.base import Reducer, Scratch, as_bytes
 
-Reducer = Callable[..., np.ndarray]
-SMALL_BYTES = 64 * 1024
-
-
-class Scratch:
-    """A growable byte buffer reused across calls (no allocation on the hot path)."""
-
-    def __init__(self) -> None:
-        self._buf = np.empty(0, np.uint8)
-
-    def get(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
-        if self._buf.nbytes < nbytes:
-            self._buf = np.empty(max(nbytes, 2 * self._buf.nbytes), np.uint8)
-        return self._buf[:nbytes].view(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self._buf.nbytes
+SMALL_BYTES = 64 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
+PIPELINE_BYTES = 1 << 20  # block size of the pipelined chain broadcast
 
 
 def split_even(total: int, parts: int) -> list[int]:
@@ -57,7 +45,10 @@ def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:
     if n == 1 or buf.size == 0:
         return
     if buf.nbytes <= SMALL_BYTES or buf.size < n:
-        _allreduce_direct(t, buf, op, scratch)
+        if n > 2 and n & (n - 1) == 0:
+            _allreduce_recursive_doubling(t, buf, op, scratch)
+        else:
+            _allreduce_direct(t, buf, op, scratch)
     else:
         counts = split_even(buf.size, n)
         _reduce_scatter_ring(t, buf, counts, op, scratch)
@@ -83,6 +74,22 @@ def _allreduce_direct(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None
         np.copyto(buf, acc)
 
 
+def _allreduce_recursive_doubling(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:
+    """log2(n) rounds for a power-of-two n: exchange with rank ``me ^ mask`` and combine.
+    Both partners compute ``op(lower rank's data, higher rank's data)``, so they stay equal."""
+    n, me = t.size, t.rank
+    tmp = scratch.get(buf.nbytes, buf.dtype)
+    mask = 1
+    while mask < n:
+        partner = me ^ mask
+        t.exchange([(partner, as_bytes(buf))], [(partner, as_bytes(tmp))])
+        if me < partner:
+            op(buf, tmp, out=buf)
+        else:
+            op(tmp, buf, out=buf)
+        mask <<= 1
+
+
 def _reduce_scatter_ring(
     t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch
 ) -> None:
@@ -90,15 +97,12 @@ def _reduce_scatter_ring(
     n, me = t.size, t.rank
     offs = _offsets(counts)
     right, left = (me + 1) % n, (me - 1) % n
-    tmp = scratch.get(max(counts) * buf.itemsize, buf.dtype)
     for s in range(n - 1):
         si = (me - s - 1) % n
         ri = (me - s - 2) % n
         seg_out = buf[offs[si] : offs[si] + counts[si]]
         seg_in = buf[offs[ri] : offs[ri] + counts[ri]]
-        got = tmp[: counts[ri]]
-        t.exchange([(right, as_bytes(seg_out))], [(left, as_bytes(got))])
-        op(seg_in, got, out=seg_in)
+        t.exchange_reduce([(right, as_bytes(seg_out))], [], [(left, seg_in, op)])
 
 
 def _allgather_ring(t, buf: np.ndarray, counts: Sequence[int]) -> None:
@@ -166,9 +170,13 @@ def allgatherv(t, out: np.ndarray, nbytes: Sequence[int]) -> None:
 
 
 def broadcast(t, buf: np.ndarray, root: int) -> None:
-    """Binomial tree from set rank ``root``; ``buf`` is flat bytes."""
+    """From set rank ``root``: a binomial tree (log2 n steps) for small ``buf`` or two ranks,
+    a pipelined chain (every link busy at once, each byte crosses n-1 links) for large."""
     n, me = t.size, t.rank
     if n == 1 or buf.nbytes == 0:
+        return
+    if n > 2 and buf.nbytes > max(SMALL_BYTES, PIPELINE_BYTES):
+        _broadcast_chain(t, buf, root)
         return
     vr = (me - root) % n
     view = as_bytes(buf)
@@ -186,6 +194,24 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
         mask >>= 1
     if sends:
         t.exchange(sends, [])
+
+
+def _broadcast_chain(t, buf: np.ndarray, root: int) -> None:
+    n, me = t.size, t.rank
+    vr = (me - root) % n
+    prev, nxt = (me - 1) % n, (me + 1) % n
+    view = as_bytes(buf)
+    blocks = [view[i : i + PIPELINE_BYTES] for i in range(0, view.nbytes, PIPELINE_BYTES)]
+    if vr == 0:
+        t.exchange([(nxt, b) for b in blocks], [])
+    elif vr == n - 1:
+        t.exchange([], [(prev, b) for b in blocks])
+    else:  # receive block k while forwarding block k - 1
+        for k in range(len(blocks) + 1):
+            t.exchange(
+                [(nxt, blocks[k - 1])] if k >= 1 else [],
+                [(prev, blocks[k])] if k < len(blocks) else [],
+            )
 
 
 def alltoallv(t, sends: Sequence[memoryview], recvs: Sequence[memoryview]) -> None:

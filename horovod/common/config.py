@@ -187,6 +187,38 @@ class Config:
         "CPU data plane: gloo (pyhorovod's TCP) or mpi.",
         choices=("gloo", "mpi", "ccl"),
     )
+    shared_memory: bool = _knob(
+        "HOROVOD_SHARED_MEMORY",
+        True,
+        "Move data between ranks on the same host through shared memory (TCP otherwise).",
+    )
+    shm_chunk_bytes: int = _knob(
+        "HOROVOD_SHM_CHUNK_BYTES",
+        1024 * 1024,
+        "Shared-memory slot size: large messages move in chunks of this size, pipelined.",
+        minimum=4096,
+    )
+    shm_slots: int = _knob(
+        "HOROVOD_SHM_SLOTS",
+        4,
+        "Shared-memory slots per pair of ranks (chunks in flight between two ranks).",
+        minimum=1,
+    )
+    spin_microseconds: float = _knob(
+        "HOROVOD_SPIN_MICROSECONDS",
+        100.0,
+        "How long a rank waiting on a same-host peer polls shared memory before it sleeps "
+        "until woken (0: sleep at once).",
+        minimum=0,
+    )
+    ring_threshold_bytes: int = _knob(
+        "HOROVOD_RING_THRESHOLD_BYTES",
+        64 * 1024,
+        "Allreduce/allgather/broadcast payloads above this use the bandwidth-optimal ring or "
+        "pipelined chain; at or below, latency-optimal direct exchange / recursive doubling / "
+        "binomial tree.",
+        minimum=0,
+    )
     rendezvous_addr: str = _knob(
         "HOROVOD_GLOO_RENDEZVOUS_ADDR", "", "Address of the rendezvous store (set by horovodrun)."
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from horovod.collectives import algorithms as alg
 from horovod.common import log
 from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
@@ -233,6 +234,16 @@ def _register_stack_dump() -> bool:
         return False
 
 
+def _data_plane_settings(cfg: Config) -> list[tuple[str, object]]:
+    """Settings that every rank must share, or collectives would not match up."""
+    from horovod.common.config import _env_of as env_name
+
+    return [
+        (env_name(k), getattr(cfg, k))
+        for k in ("ring_threshold_bytes", "shared_memory", "shm_chunk_bytes", "shm_slots")
+    ]
+
+
 def _local_layout(hosts: list[str]) -> list[tuple[int, int, int, int]]:
     """(local_rank, local_size, cross_rank, cross_size) per rank, as upstream defines them."""
     counts = Counter(hosts)
@@ -286,6 +297,9 @@ class Context:
             hosts = Counter(info[0] for info in infos)
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
+            alg.SMALL_BYTES = cfg.ring_threshold_bytes
+            if spec is None and cfg.size > 1 and cfg.shared_memory:
+                transport = self._with_shared_memory(cfg, store, scope, transport)
             # Ranks on rank 0's host whose stacks can be dumped with SIGUSR1 (faulthandler),
             # for the hang doctor when a rank is too busy in C code to answer.
             signal_pids = {
@@ -369,6 +383,23 @@ class Context:
         )
         return store, transport
 
+    def _with_shared_memory(
+        self, cfg: Config, store: Store, scope: str, transport: Transport
+    ) -> Transport:
+        from horovod.transport.shm import ShmTransport
+
+        return ShmTransport.create(
+            transport,
+            self.hostnames,
+            store=store,
+            scope=scope,
+            secret=bytes.fromhex(cfg.secret_key),
+            chunk=cfg.shm_chunk_bytes,
+            slots=cfg.shm_slots,
+            spin_us=cfg.spin_microseconds,
+            timeout=cfg.timeout_seconds,
+        )
+
     @staticmethod
     def _exchange_info(
         store: Store, scope: str, cfg: Config, sets: list[list[int]], dumps: bool
@@ -382,6 +413,7 @@ class Context:
             sets,
             os.getpid(),
             dumps,
+            _data_plane_settings(cfg),
         )
         if cfg.size == 1:
             return [mine]
@@ -393,6 +425,17 @@ class Context:
         )
         infos = [decode(b)[1:] for b in raw]
         for r, info in enumerate(infos):
+            if info[8] != mine[8]:
+                theirs = dict(info[8])
+                diff = ", ".join(
+                    f"{k}={v} here but {theirs.get(k)} on rank {r}"
+                    for k, v in mine[8]
+                    if theirs.get(k) != v
+                )
+                raise ConfigError(
+                    f"ranks disagree on data-plane settings ({diff}); every rank must use the "
+                    "same values (horovodrun passes the launching environment to all of them)"
+                )
             if info[5] != sets:
                 raise ValueError(
                     f"Different ranks tried to set up mismatching process sets: rank {cfg.rank} "

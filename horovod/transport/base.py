@@ -4,7 +4,10 @@ Data plane: ``exchange(sends, recvs)`` posts every send and receive of one algor
 once and returns when all are complete. Messages between a pair of ranks are matched in the
 order they are posted, and a receive must have exactly the byte length of the matching send;
 zero-length messages are not transmitted at all (both sides skip them, since lengths agree).
-Only the engine thread calls ``exchange``.
+Only the engine thread calls ``exchange``. ``exchange_reduce(sends, recvs, reduces)`` is the same
+step with receives that are combined into an array instead of stored: for ``(peer, dst, op)``
+the incoming message (``dst.nbytes`` long) ends as ``op(dst, incoming, out=dst)``. The shared-
+memory transport reduces straight out of its slots chunk by chunk; others receive into scratch.
 
 Control plane: a star between rank 0 (the coordinator) and every other rank, carrying framed
 messages. ``send_ctrl`` is thread-safe; ``start_ctrl(handler)`` makes the transport call
@@ -25,6 +28,24 @@ import numpy as np
 
 CtrlHandler = Callable[[int, "bytes | None"], None]
 Message = tuple[int, memoryview]
+Reducer = Callable[..., np.ndarray]
+Reduce = tuple[int, np.ndarray, Reducer]
+
+
+class Scratch:
+    """A growable byte buffer reused across calls (no allocation on the hot path)."""
+
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.uint8)
+
+    def get(self, nbytes: int, dtype: np.dtype) -> np.ndarray:
+        if self._buf.nbytes < nbytes:
+            self._buf = np.empty(max(nbytes, 2 * self._buf.nbytes), np.uint8)
+        return self._buf[:nbytes].view(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.nbytes
 
 
 def as_bytes(arr: np.ndarray) -> memoryview:
@@ -39,6 +60,28 @@ class Transport(ABC):
 
     @abstractmethod
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None: ...
+
+    def exchange_reduce(
+        self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
+    ) -> None:
+        """``exchange`` where each of ``reduces`` is combined into its array on arrival."""
+        if not reduces:
+            self.exchange(sends, recvs)
+            return
+        scratch = self.__dict__.setdefault("_reduce_scratch", Scratch())
+        total = sum(dst.nbytes for _, dst, _ in reduces)
+        raw = scratch.get(total, np.dtype(np.uint8))
+        tmps, off = [], 0
+        for _, dst, _ in reduces:
+            tmps.append(raw[off : off + dst.nbytes].view(dst.dtype))
+            off += dst.nbytes
+        self.exchange(
+            sends,
+            list(recvs)
+            + [(p, as_bytes(tmp)) for (p, _, _), tmp in zip(reduces, tmps, strict=True)],
+        )
+        for (_, dst, op), tmp in zip(reduces, tmps, strict=True):
+            op(dst, tmp, out=dst)
 
     @abstractmethod
     def send_ctrl(self, peer: int, payload: bytes) -> None: ...
@@ -70,6 +113,16 @@ class SubTransport:
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks
         self.parent.exchange([(r[p], m) for p, m in sends], [(r[p], m) for p, m in recvs])
+
+    def exchange_reduce(
+        self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
+    ) -> None:
+        r = self.ranks
+        self.parent.exchange_reduce(
+            [(r[p], m) for p, m in sends],
+            [(r[p], m) for p, m in recvs],
+            [(r[p], d, op) for p, d, op in reduces],
+        )
 
     def global_rank(self, rank: int) -> int:
         return self.ranks[rank]

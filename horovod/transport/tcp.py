@@ -239,6 +239,15 @@ class TcpTransport(Transport):
 
     # ---------------------------------------------------------------- data plane
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        out, inc = self.queue(sends, recvs)
+        while out or inc:
+            if not self.progress(out, inc):
+                self._wait(out, inc)
+
+    def queue(
+        self, sends: Sequence[Message], recvs: Sequence[Message]
+    ) -> tuple[dict[int, list[memoryview]], dict[int, list[memoryview]]]:
+        """Per-peer queues of pending sends and receives (for ``progress``)."""
         if self._aborted is not None:
             raise TransportError(self._aborted)
         out: dict[int, list[memoryview]] = {}
@@ -249,55 +258,83 @@ class TcpTransport(Transport):
         for peer, mv in recvs:
             if mv.nbytes:
                 inc.setdefault(peer, []).append(mv)
-        data = self._data
-        while out or inc:
-            progressed = False
-            for peer in list(out):
-                q = out[peer]
-                mv = q[0]
-                try:
-                    n = data[peer].send(mv)
-                except BlockingIOError:
-                    continue
-                except OSError as e:
-                    raise self._lost(peer, e) from None
-                progressed = True
-                if n == mv.nbytes:
-                    q.pop(0)
-                    if not q:
-                        del out[peer]
-                else:
-                    q[0] = mv[n:]
-            for peer in list(inc):
-                q = inc[peer]
-                mv = q[0]
-                try:
-                    n = data[peer].recv_into(mv)
-                except BlockingIOError:
-                    continue
-                except OSError as e:
-                    raise self._lost(peer, e) from None
-                if n == 0:
-                    raise self._lost(peer, None)
-                progressed = True
-                if n == mv.nbytes:
-                    q.pop(0)
-                    if not q:
-                        del inc[peer]
-                else:
-                    q[0] = mv[n:]
-            if not progressed:
-                self._wait(out, inc)
+        return out, inc
 
-    def _wait(self, out: dict[int, list[memoryview]], inc: dict[int, list[memoryview]]) -> None:
-        poller = select.poll()
+    def progress(self, out: dict[int, list[memoryview]], inc: dict[int, list[memoryview]]) -> bool:
+        """Move what the sockets accept now without blocking; True if anything moved.
+        Finished messages are removed from the queues."""
+        data = self._data
+        progressed = False
+        for peer in list(out):
+            q = out[peer]
+            mv = q[0]
+            try:
+                n = data[peer].send(mv)
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise self.lost(peer, e) from None
+            progressed = True
+            if n == mv.nbytes:
+                q.pop(0)
+                if not q:
+                    del out[peer]
+            else:
+                q[0] = mv[n:]
+        for peer in list(inc):
+            q = inc[peer]
+            mv = q[0]
+            try:
+                n = data[peer].recv_into(mv)
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise self.lost(peer, e) from None
+            if n == 0:
+                raise self.lost(peer, None)
+            progressed = True
+            if n == mv.nbytes:
+                q.pop(0)
+                if not q:
+                    del inc[peer]
+            else:
+                q[0] = mv[n:]
+        return progressed
+
+    def poll_masks(
+        self, out: dict[int, list[memoryview]], inc: dict[int, list[memoryview]]
+    ) -> dict[int, int]:
+        """File descriptor -> poll events that would let ``progress`` move on."""
         masks: dict[int, int] = {}
         for peer in out:
             masks[self._data[peer].fileno()] = select.POLLOUT
         for peer in inc:
             fd = self._data[peer].fileno()
             masks[fd] = masks.get(fd, 0) | select.POLLIN
-        for fd, m in masks.items():
+        return masks
+
+    def data_fileno(self, peer: int) -> int:
+        return self._data[peer].fileno()
+
+    def check_peer(self, peer: int) -> None:
+        """Raise if the data connection to ``peer`` was closed (used for peers whose data
+        travels elsewhere, so anything readable here is an EOF or a reset)."""
+        try:
+            got = self._data[peer].recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            raise self.lost(peer, e) from None
+        if not got:
+            raise self.lost(peer, None)
+
+    @property
+    def aborted(self) -> str | None:
+        return self._aborted
+
+    def _wait(self, out: dict[int, list[memoryview]], inc: dict[int, list[memoryview]]) -> None:
+        poller = select.poll()
+        for fd, m in self.poll_masks(out, inc).items():
             poller.register(fd, m)
         while True:
             if self._aborted is not None:
@@ -305,7 +342,7 @@ class TcpTransport(Transport):
             if poller.poll(_POLL_MS):
                 return
 
-    def _lost(self, peer: int, err: OSError | None) -> TransportError:
+    def lost(self, peer: int, err: OSError | None) -> TransportError:
         if self._aborted is not None:
             return TransportError(self._aborted)
         why = (
@@ -334,7 +371,7 @@ class TcpTransport(Transport):
                 if len(payload) >= 65536:
                     sock.sendall(payload)
             except OSError as e:
-                raise self._lost(peer, e) from None
+                raise self.lost(peer, e) from None
 
     def start_ctrl(self, handler: CtrlHandler) -> None:
         for peer, sock in self._ctrl.items():

@@ -1,0 +1,564 @@
+"""Shared-memory data plane for ranks on the same host; TCP (the inner transport) for the rest.
+
+Layout. Every rank owns one segment (a file in ``/dev/shm``, mapped by every rank on its host):
+a page whose first word says whether the owner is asleep, then one *channel* per local peer
+that sends to it. A channel is a page of counters (chunks written by the sender, chunks read by
+the receiver, each on its own cache line) and ``slots`` slots of ``chunk`` bytes. A message
+moves as consecutive chunks, one per slot, so the sender fills the next slot while the receiver
+empties (or reduces straight out of) the previous one: copy-in, copy-out and the reduction of
+large messages overlap. Both sides cut messages into the same chunks because lengths agree (the
+Transport contract), so no framing is stored.
+
+Waiting. A rank with nothing to do polls the counters for ``spin_us`` microseconds (cheap: a
+peer that is already in the same collective answers within about a microsecond), then sleeps in
+``poll()`` on its notify socket (a Unix datagram socket; abstract on Linux) and on the TCP
+connections of the peers it waits for (whose EOF reveals a dead peer). Before sleeping it sets
+its flag, fences, and looks once more; a peer that publishes a chunk or frees a slot checks the
+flag after a fence and sends one datagram only if the owner sleeps. The poll also times out
+every ``_POLL_MS`` as a safety net. No thread busy-waits while the other rank computes.
+
+Lifetime. Segments are unlinked as soon as every local rank has mapped them, so nothing is left
+in ``/dev/shm`` even when a rank is killed later; names carry the job's id (derived from its
+secret), so horovodrun can remove the segments of ranks that died during set-up, and a random
+part, so two jobs on one host never collide. If any local rank cannot create or map its segment
+(no ``/dev/shm``, not enough space), every rank of that host agrees to stay on TCP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import platform
+import select
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from horovod.common import log
+from horovod.common.exceptions import TransportError
+from horovod.rendezvous.store import Store
+from horovod.transport.base import (
+    CtrlHandler,
+    Message,
+    Reduce,
+    Reducer,
+    Scratch,
+    Transport,
+    as_bytes,
+)
+
+PAGE = 4096
+PREFIX = "pyhvd-"
+_POLL_MS = 200
+_STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_fence_lock = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: a lock round trip is an atomic read-modify-write."""
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def _order() -> None:
+    """Order plain loads/stores on CPUs that reorder them (x86 keeps them in order)."""
+    if not _STRONG_ORDER:
+        _fence()
+        _fence()
+
+
+def shm_dir() -> str:
+    return (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else (tempfile.gettempdir())
+    )
+
+
+def job_id(secret: bytes) -> str:
+    """A public id of the job, the same on every rank and in horovodrun."""
+    return hashlib.sha256(b"pyhorovod-shm" + secret).hexdigest()[:12]
+
+
+def cleanup_job(secret: bytes) -> list[str]:
+    """Remove segments of this job that a rank created but did not unlink (it died during
+    set-up). Returns the paths removed."""
+    d, prefix = shm_dir(), f"{PREFIX}{job_id(secret)}-"
+    removed: list[str] = []
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(d, name))
+                removed.append(os.path.join(d, name))
+            except OSError:
+                pass
+    return removed
+
+
+class _Chan:
+    """One direction between two local ranks: counters and slots in the receiver's segment."""
+
+    __slots__ = ("wr", "rd", "slots", "count")
+
+    def __init__(self, mem: mmap.mmap, base: int, nslots: int, chunk: int) -> None:
+        mv = memoryview(mem)
+        self.wr = mv[base : base + 8].cast("q")  # chunks written (sender)
+        self.rd = mv[base + 64 : base + 72].cast("q")  # chunks read (receiver)
+        first = base + PAGE
+        self.slots = [mv[first + i * chunk : first + (i + 1) * chunk] for i in range(nslots)]
+        self.count = 0  # this side's own counter (written or read so far)
+
+
+class _Pending:
+    """A message in progress over a channel: bytes (copy) or an array to reduce into."""
+
+    __slots__ = ("mv", "dst", "op", "off")
+
+    def __init__(self, mv: memoryview, dst: np.ndarray | None = None, op=None) -> None:
+        self.mv, self.dst, self.op, self.off = mv, dst, op, 0
+
+
+class ShmTransport(Transport):
+    kind = "SHM"
+
+    def __init__(
+        self,
+        inner: Transport,
+        local: Sequence[int],
+        *,
+        store: Store,
+        scope: str,
+        secret: bytes,
+        chunk: int,
+        slots: int,
+        spin_us: float,
+        timeout: float,
+    ) -> None:
+        """``local``: the global ranks on this host (this one included). Raises
+        ``TransportError`` if this host's ranks cannot all use shared memory (every one of
+        them raises, so they agree); use ``create`` to fall back to ``inner`` instead."""
+        self.inner = inner
+        self.rank, self.size = inner.rank, inner.size
+        self.local = sorted(local)
+        self.peers = [r for r in self.local if r != self.rank]
+        self.chunk = (chunk + 63) // 64 * 64
+        self.nslots = slots
+        self.spin_s = spin_us / 1e6
+        self._yield = len(self.local) > (os.cpu_count() or 1)
+        self._aborted: str | None = None
+        self._closed = False
+        self._scratch = Scratch()
+        self._maps: dict[int, mmap.mmap] = {}
+        self._out: dict[int, _Chan] = {}
+        self._in: dict[int, _Chan] = {}
+        self._asleep: dict[int, memoryview] = {}
+        self._addr: dict[int, str | bytes] = {}
+        self._sock: socket.socket | None = None
+        self._path: str | None = None
+        self._sock_path: str | None = None
+        try:
+            self._setup(store, scope, secret, timeout)
+        except BaseException:
+            self._release()
+            raise
+
+    @classmethod
+    def create(cls, inner: Transport, hostnames: Sequence[str], **kw) -> Transport:
+        """A ShmTransport over ``inner`` for the ranks sharing this rank's host name, or
+        ``inner`` itself when there are none or they agreed that shared memory is unusable."""
+        me = hostnames[inner.rank]
+        local = [r for r, h in enumerate(hostnames) if h == me]
+        if len(local) < 2:
+            return inner
+        try:
+            return cls(inner, local, **kw)
+        except _Unusable as e:
+            log.logger.warning(
+                "rank %d: shared memory unavailable on host %s (%s); ranks there use TCP",
+                inner.rank,
+                me,
+                e,
+            )
+            return inner
+
+    # ---------------------------------------------------------------- set-up
+    def _chan_bytes(self) -> int:
+        return PAGE + self.nslots * self.chunk
+
+    def _seg_bytes(self, owner: int) -> int:
+        return PAGE + (len(self.local) - 1) * self._chan_bytes()
+
+    def _setup(self, store: Store, scope: str, secret: bytes, timeout: float) -> None:
+        me = self.rank
+        name = f"{PREFIX}{job_id(secret)}-{me}-{os.urandom(6).hex()}"
+        err = ""
+        try:
+            self._path = self._create_segment(name)
+            self._sock = self._bind(name)
+        except OSError as e:
+            err = f"rank {me}: {e}"
+        store.set(scope, f"shm.{me}", (name if not err else "!" + err).encode())
+        names = [b.decode() for b in store.wait(scope, [f"shm.{r}" for r in self.local], timeout)]
+        bad = [n[1:] for n in names if n.startswith("!")]
+        if not bad:
+            try:
+                for r, n in zip(self.local, names, strict=True):
+                    if r != me:
+                        self._map_peer(r, n)
+            except OSError as e:
+                bad.append(f"rank {me} cannot map rank {r}'s segment: {e}")
+        store.set(scope, f"shm.mapped.{me}", ("!" + bad[0] if bad else "ok").encode())
+        done = [
+            b.decode() for b in store.wait(scope, [f"shm.mapped.{r}" for r in self.local], timeout)
+        ]
+        # Every rank has mapped every segment (or given up): the names can go.
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+            self._path = None
+        why = next((d[1:] for d in done if d != "ok"), None)
+        if why is not None:
+            raise _Unusable(why)
+        self._build_channels()
+
+    def _create_segment(self, name: str) -> str:
+        d = shm_dir()
+        need = self._seg_bytes(self.rank)
+        st = os.statvfs(d)
+        # Leave room for the other ranks of this host too: each needs about as much.
+        if st.f_bavail * st.f_frsize < need * len(self.local):
+            raise OSError(
+                f"{d} has {st.f_bavail * st.f_frsize >> 20} MiB free, shared memory for "
+                f"{len(self.local)} ranks needs {need * len(self.local) >> 20} MiB (lower "
+                "HOROVOD_SHM_CHUNK_BYTES / HOROVOD_SHM_SLOTS or enlarge /dev/shm, e.g. "
+                "docker run --shm-size=1g)"
+            )
+        path = os.path.join(d, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, need)  # reserve now: tmpfs full later = SIGBUS
+            else:
+                os.ftruncate(fd, need)
+            self._maps[self.rank] = mmap.mmap(fd, need)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return path
+
+    def _bind(self, name: str) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        if sys.platform.startswith("linux"):
+            s.bind("\0" + name)  # abstract: vanishes with the process
+        else:
+            self._sock_path = os.path.join(tempfile.gettempdir(), name + ".sock")
+            s.bind(self._sock_path)
+        s.setblocking(False)
+        return s
+
+    def _map_peer(self, r: int, name: str) -> None:
+        d = shm_dir()
+        fd = os.open(os.path.join(d, name), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size != self._seg_bytes(r):
+                raise OSError(
+                    f"segment of rank {r} has {size} bytes, expected {self._seg_bytes(r)}: "
+                    "HOROVOD_SHM_CHUNK_BYTES / HOROVOD_SHM_SLOTS differ between ranks"
+                )
+            self._maps[r] = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._addr[r] = (
+            "\0" + name
+            if sys.platform.startswith("linux")
+            else os.path.join(tempfile.gettempdir(), name + ".sock")
+        )
+
+    def _build_channels(self) -> None:
+        me = self.rank
+        cb = self._chan_bytes()
+        mine = self._maps[me]
+        for r in self.peers:
+            theirs = self._maps[r]
+            # The channel r -> me lives in my segment at r's index among my peers, and
+            # me -> r in r's segment at my index among r's peers.
+            self._in[r] = _Chan(mine, PAGE + self._index(me, r) * cb, self.nslots, self.chunk)
+            self._out[r] = _Chan(theirs, PAGE + self._index(r, me) * cb, self.nslots, self.chunk)
+            self._asleep[r] = memoryview(theirs)[0:8].cast("q")
+        self._me_asleep = memoryview(mine)[0:8].cast("q")
+
+    def _index(self, owner: int, sender: int) -> int:
+        return [r for r in self.local if r != owner].index(sender)
+
+    # ---------------------------------------------------------------- data plane
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        self.exchange_reduce(sends, recvs, ())
+
+    def exchange_reduce(
+        self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
+    ) -> None:
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        out: dict[int, list[_Pending]] = {}
+        inc: dict[int, list[_Pending]] = {}
+        r_sends: list[Message] = []
+        r_recvs: list[Message] = []
+        after: list[tuple[np.ndarray, Reducer, np.ndarray]] = []
+        for peer, mv in sends:
+            if mv.nbytes:
+                if peer in self._out:
+                    out.setdefault(peer, []).append(_Pending(mv.cast("B")))
+                else:
+                    r_sends.append((peer, mv))
+        for peer, mv in recvs:
+            if mv.nbytes:
+                if peer in self._in:
+                    inc.setdefault(peer, []).append(_Pending(mv.cast("B")))
+                else:
+                    r_recvs.append((peer, mv))
+        remote_reduces = [(p, d, op) for p, d, op in reduces if d.nbytes and p not in self._in]
+        if remote_reduces:
+            total = sum(d.nbytes for _, d, _ in remote_reduces)
+            raw = self._scratch.get(total, np.dtype(np.uint8))
+            off = 0
+            for p, d, op in remote_reduces:
+                tmp = raw[off : off + d.nbytes].view(d.dtype)
+                off += d.nbytes
+                r_recvs.append((p, as_bytes(tmp)))
+                after.append((d, op, tmp))
+        for peer, dst, op in reduces:
+            if dst.nbytes and peer in self._in:
+                inc.setdefault(peer, []).append(_Pending(as_bytes(dst), dst, op))
+        tcp = self.inner
+        r_out: dict = {}
+        r_inc: dict = {}
+        if r_sends or r_recvs:
+            r_out, r_inc = tcp.queue(r_sends, r_recvs)  # type: ignore[attr-defined]
+        while out or inc or r_out or r_inc:
+            moved = self._progress(out, inc)
+            if r_out or r_inc:
+                moved = tcp.progress(r_out, r_inc) or moved  # type: ignore[attr-defined]
+            if not moved:
+                self._wait(out, inc, r_out, r_inc)
+        for d, op, tmp in after:
+            op(d, tmp, out=d)
+
+    def _progress(self, out: dict[int, list[_Pending]], inc: dict[int, list[_Pending]]) -> bool:
+        moved = False
+        nslots, chunk = self.nslots, self.chunk
+        for peer in list(out):
+            ch = self._out[peer]
+            q = out[peer]
+            wrote = False
+            while q and ch.count - ch.rd[0] < nslots:
+                p = q[0]
+                n = min(chunk, p.mv.nbytes - p.off)
+                ch.slots[ch.count % nslots][:n] = p.mv[p.off : p.off + n]
+                p.off += n
+                ch.count += 1
+                _order()
+                ch.wr[0] = ch.count
+                wrote = True
+                if p.off == p.mv.nbytes:
+                    q.pop(0)
+            if wrote:
+                moved = True
+                self._wake(peer)
+            if not q:
+                del out[peer]
+        for peer in list(inc):
+            ch = self._in[peer]
+            q = inc[peer]
+            read = False
+            while q and ch.count < ch.wr[0]:
+                _order()
+                p = q[0]
+                n = min(chunk, p.mv.nbytes - p.off)
+                slot = ch.slots[ch.count % nslots]
+                if p.dst is None:
+                    p.mv[p.off : p.off + n] = slot[:n]
+                else:
+                    item = p.dst.itemsize
+                    lo, k = p.off // item, n // item
+                    seg = p.dst[lo : lo + k]
+                    p.op(seg, np.frombuffer(slot, p.dst.dtype, k), out=seg)
+                p.off += n
+                ch.count += 1
+                _order()
+                ch.rd[0] = ch.count
+                read = True
+                if p.off == p.mv.nbytes:
+                    q.pop(0)
+            if read:
+                moved = True
+                self._wake(peer)
+            if not q:
+                del inc[peer]
+        return moved
+
+    def _wake(self, peer: int) -> None:
+        _fence()
+        if self._asleep[peer][0]:
+            try:
+                self._sock.sendto(b"w", self._addr[peer])  # type: ignore[union-attr]
+            except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
+                pass  # its queue is full (it will wake anyway) or it is gone (EOF tells)
+            except OSError:
+                pass
+
+    def _wait(self, out, inc, r_out, r_inc) -> None:
+        tcp = self.inner
+        deadline = time.perf_counter() + self.spin_s
+        while time.perf_counter() < deadline:
+            if self._aborted is not None:
+                raise TransportError(self._aborted)
+            if self._yield:
+                os.sched_yield()
+            if self._ready(out, inc) or (
+                (r_out or r_inc) and tcp.progress(r_out, r_inc)  # type: ignore[attr-defined]
+            ):
+                return
+        # Sleep until a peer wakes us: announce it, then look once more.
+        self._me_asleep[0] = 1
+        try:
+            _fence()
+            if self._ready(out, inc):
+                return
+            poller = select.poll()
+            sock = self._sock
+            assert sock is not None
+            poller.register(sock.fileno(), select.POLLIN)
+            watch: dict[int, int] = {}
+            for peer in set(out) | set(inc):
+                fd = tcp.data_fileno(peer)  # type: ignore[attr-defined]
+                watch[fd] = peer
+                poller.register(fd, select.POLLIN)
+            if r_out or r_inc:
+                for fd, m in tcp.poll_masks(r_out, r_inc).items():  # type: ignore[attr-defined]
+                    if fd not in watch:
+                        poller.register(fd, m)
+            while True:
+                if self._aborted is not None:
+                    raise TransportError(self._aborted)
+                events = poller.poll(_POLL_MS)
+                for fd, _ in events:
+                    if fd in watch:
+                        self._check_alive(watch[fd])
+                if events or self._ready(out, inc):
+                    break
+        finally:
+            self._me_asleep[0] = 0
+        self._drain()
+
+    def _ready(self, out, inc) -> bool:
+        """Would ``_progress`` move something now?"""
+        n = self.nslots
+        for peer in out:
+            ch = self._out[peer]
+            if ch.count - ch.rd[0] < n:
+                return True
+        for peer in inc:
+            ch = self._in[peer]
+            if ch.count < ch.wr[0]:
+                return True
+        return False
+
+    def _check_alive(self, peer: int) -> None:
+        """A readable TCP connection to a shared-memory peer means it closed (no data ever
+        travels there): the peer exited, crashed or aborted."""
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        self.inner.check_peer(peer)  # type: ignore[attr-defined]
+
+    def _lost(self, peer: int, err: OSError | None) -> TransportError:
+        if self._aborted is not None:
+            return TransportError(self._aborted)
+        return self.inner.lost(peer, err)  # type: ignore[attr-defined]
+
+    def _drain(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        while True:
+            try:
+                sock.recv(64)
+            except (BlockingIOError, OSError):
+                return
+
+    # ---------------------------------------------------------------- control plane
+    def send_ctrl(self, peer: int, payload: bytes) -> None:
+        self.inner.send_ctrl(peer, payload)
+
+    def start_ctrl(self, handler: CtrlHandler) -> None:
+        self.inner.start_ctrl(handler)
+
+    # ---------------------------------------------------------------- teardown
+    def abort(self, reason: str) -> None:
+        if self._aborted is None:
+            self._aborted = reason
+        self.inner.abort(reason)
+        sock = self._sock
+        if sock is not None:  # wake our own sleeping wait
+            try:
+                sock.sendto(b"x", sock.getsockname())
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.inner.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+        if self._sock is not None:
+            self._sock.close()
+        if self._sock_path is not None:
+            try:
+                os.unlink(self._sock_path)
+            except OSError:
+                pass
+        for ch in list(self._in.values()) + list(self._out.values()):
+            for v in [ch.wr, ch.rd, *ch.slots]:
+                v.release()
+        for v in self._asleep.values():
+            v.release()
+        if hasattr(self, "_me_asleep"):
+            self._me_asleep.release()
+        self._in.clear()
+        self._out.clear()
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:
+                pass  # a view is still referenced; the mapping goes with it
+        self._maps.clear()
+
+    @property
+    def aborted(self) -> str | None:
+        return self._aborted
+
+
+class _Unusable(TransportError):
+    """Shared memory cannot be set up on this host (all its ranks agree)."""
