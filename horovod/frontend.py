@@ -7,9 +7,11 @@ naming, handles and error texts are written once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -213,9 +215,40 @@ class Compression:
 
 
 # --------------------------------------------------------------------------------- helpers
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def waited() -> Any:
+    """Ops submitted inside are waited for by this thread right after (``synchronize(x_async(
+    ...))``): a sleeping engine thread is not woken for them, the waiting thread runs the
+    engine itself (shared-memory jobs). If the block raises, the engine thread is woken after
+    all so that nothing submitted is left behind."""
+    _tls.waited = True
+    try:
+        yield
+    except BaseException:
+        ctx = _context.current()
+        if ctx is not None:
+            ctx.engine.wake()
+        raise
+    finally:
+        _tls.waited = False
+
+
+_INTERNAL: dict[str, bool] = {}  # code file name -> part of this package (memoized)
+
+
 def _callsite() -> str:
     f = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PKG):
+    internal = _INTERNAL
+    while f is not None:
+        name = f.f_code.co_filename
+        inside = internal.get(name)
+        if inside is None:
+            inside = internal[name] = os.path.abspath(name).startswith(_PKG)
+        if not inside:
+            break
         f = f.f_back  # type: ignore[assignment]
     if f is None:
         return ""
@@ -356,7 +389,7 @@ def _enqueue(
         )
         for i, (nm, t, o) in enumerate(zip(names, tensors, outputs, strict=True))
     ]
-    ctx.engine.submit(entries)
+    ctx.engine.submit(entries, wake=not getattr(_tls, "waited", False))
     ctx.handles[hid] = handle
     return hid
 
@@ -620,7 +653,7 @@ def _blocking(ctx: _context.Context, op: int, name: str, ps_id: int, extra: Any 
     site = _callsite()
     handle = Handle(1, site)
     req = Request(ps_id, name, op, 0, (), SUM, -1, 1.0, 1.0, CPU_DEVICE, -1, extra, site)
-    ctx.engine.submit([Entry(req, None, None, handle)])
+    ctx.engine.submit([Entry(req, None, None, handle)], wake=False)
     return handle.wait()[0]
 
 
@@ -682,14 +715,15 @@ def allreduce(
     """Reduce ``tensor`` over all ranks of ``process_set``; returns a new array."""
     op = _reduce_op(op, average, "allreduce")
     compressed, cctx = compression.compress(_array(tensor, "allreduce"))
-    h = allreduce_async(
-        compressed,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
+    with waited():
+        h = allreduce_async(
+            compressed,
+            name=name,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+        )
     return compression.decompress(synchronize(h), cctx)
 
 
@@ -727,9 +761,11 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """In-place allreduce; returns ``tensor``."""
-    return synchronize(
-        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
-    )
+    with waited():
+        h = allreduce_async_(
+            tensor, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    return synchronize(h)
 
 
 def grouped_allreduce_async(
@@ -768,14 +804,15 @@ def grouped_allreduce(
 ) -> list[np.ndarray]:
     op = _reduce_op(op, average, "grouped_allreduce")
     packed = [compression.compress(_array(t, "grouped_allreduce")) for t in tensors]
-    h = grouped_allreduce_async(
-        [p[0] for p in packed],
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
+    with waited():
+        h = grouped_allreduce_async(
+            [p[0] for p in packed],
+            name=name,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+        )
     return [compression.decompress(o, p[1]) for o, p in zip(synchronize(h), packed, strict=False)]
 
 
@@ -834,7 +871,9 @@ def allgather(
 ) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order; the first
     dimension may differ between ranks."""
-    return synchronize(allgather_async(tensor, name, process_set))
+    with waited():
+        h = allgather_async(tensor, name, process_set)
+    return synchronize(h)
 
 
 def grouped_allgather_async(
@@ -852,7 +891,9 @@ def grouped_allgather_async(
 def grouped_allgather(
     tensors: Sequence[Any], name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> list[np.ndarray]:
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    with waited():
+        h = grouped_allgather_async(tensors, name, process_set)
+    return synchronize(h)
 
 
 def broadcast_async(
@@ -872,7 +913,9 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """``root_rank``'s ``tensor`` on every rank (a new array)."""
-    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+    with waited():
+        h = broadcast_async(tensor, root_rank, name, process_set)
+    return synchronize(h)
 
 
 def broadcast_async_(
@@ -892,7 +935,9 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    with waited():
+        h = broadcast_async_(tensor, root_rank, name, process_set)
+    return synchronize(h)
 
 
 def alltoall_async(
@@ -919,7 +964,9 @@ def alltoall(
 ) -> Any:
     """Send ``splits[i]`` rows (in order) to rank i and concatenate what arrives, in rank order.
     Returns the output, or ``(output, received_splits)`` when ``splits`` is given."""
-    return synchronize(alltoall_async(tensor, splits, name, process_set))
+    with waited():
+        h = alltoall_async(tensor, splits, name, process_set)
+    return synchronize(h)
 
 
 def reducescatter_async(
@@ -954,7 +1001,10 @@ def reducescatter(
     """Reduce over ranks, then give rank r its block of rows (the first ``d0 % n`` ranks get one
     row more)."""
     compressed, cctx = compression.compress(_array(tensor, "reducescatter"))
-    h = reducescatter_async(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    with waited():
+        h = reducescatter_async(
+            compressed, name, op, process_set, prescale_factor, postscale_factor
+        )
     return compression.decompress(synchronize(h), cctx)
 
 
@@ -989,9 +1039,10 @@ def grouped_reducescatter(
     postscale_factor: float = 1.0,
 ) -> list[np.ndarray]:
     packed = [compression.compress(_array(t, "grouped_reducescatter")) for t in tensors]
-    h = grouped_reducescatter_async(
-        [p[0] for p in packed], name, op, process_set, prescale_factor, postscale_factor
-    )
+    with waited():
+        h = grouped_reducescatter_async(
+            [p[0] for p in packed], name, op, process_set, prescale_factor, postscale_factor
+        )
     return [compression.decompress(o, p[1]) for o, p in zip(synchronize(h), packed, strict=False)]
 
 

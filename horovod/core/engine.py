@@ -73,6 +73,7 @@ from horovod.core.messages import (
 )
 from horovod.core.timeline import Timeline
 from horovod.transport.base import SubTransport, Transport
+from horovod.transport.shm import _fence
 
 DUPLICATE_NAME = (
     "{what} is already in flight on this rank under the name '{name}'; a name may be used by only "
@@ -84,7 +85,7 @@ DUPLICATE_NAME = (
 class Handle:
     """Completion of one submitted op (several entries for a grouped op)."""
 
-    __slots__ = ("_event", "_left", "results", "error", "callsite", "_lock", "finish")
+    __slots__ = ("_event", "_left", "results", "error", "callsite", "_lock", "finish", "driver")
 
     def __init__(
         self, n: int, callsite: str = "", finish: Callable[[list[Any]], Any] | None = None
@@ -96,6 +97,7 @@ class Handle:
         self.error: str | None = None
         self.callsite = callsite
         self.finish = finish
+        self.driver: Callable[[Handle], None] | None = None  # runs the engine until done
         if n == 0:
             self._event.set()
 
@@ -113,6 +115,8 @@ class Handle:
                 self._event.set()
 
     def wait(self) -> list[Any]:
+        if self.driver is not None and not self._event.is_set():
+            self.driver(self)
         while not self._event.wait(0.5):
             pass
         if self.error is not None:
@@ -240,6 +244,15 @@ class Engine:
             else None
         )
         self._shutdown_asked = False
+        # Shared-memory transports let the thread that waits for a result run the engine
+        # itself (no hand-off to the engine thread and back); ``drive`` is held by whichever
+        # thread runs it. See docs/architecture.md, "Who runs the engine".
+        self.fast = callable(getattr(transport, "poll_fast", None))
+        self.drive = threading.Lock()
+        self.spin_s = float(getattr(transport, "spin_s", 0.0))
+        self._sleeping = False  # the engine thread is blocked in transport.sleep()
+        self._sleep_until: float | None = None
+        self._stop_now = False
         self._thread = threading.Thread(
             target=self._run, name=f"horovod-engine-{rank}", daemon=True
         )
@@ -249,7 +262,9 @@ class Engine:
         self.transport.start_ctrl(self._on_ctrl)
         self._thread.start()
 
-    def submit(self, entries: Sequence[Entry]) -> None:
+    def submit(self, entries: Sequence[Entry], wake: bool = True) -> None:
+        """Queue ``entries``. ``wake=False``: the calling thread is about to wait for them,
+        so a sleeping engine thread is not woken (the waiting thread runs the engine)."""
         with self.lock:
             if self.closed is not None:
                 raise HorovodInternalError(self.closed)
@@ -266,12 +281,27 @@ class Engine:
                 seen.add(k)
             for e, k in zip(entries, keys, strict=True):
                 self.table[k] = e
-        self.inbox.put(("sub", entries))
+                if self.fast:
+                    e.handle.driver = self.run_until
+        if wake:
+            self._post(("sub", entries))
+        else:  # the caller waits at once and runs the engine itself (Handle.wait)
+            self.inbox.put(("sub", entries))
+
+    def wake(self) -> None:
+        """Make sure a sleeping engine thread looks at the inbox."""
+        if self.fast and self._sleeping:
+            self.transport.kick()  # type: ignore[attr-defined]
+
+    def _post(self, ev: tuple) -> None:
+        self.inbox.put(ev)
+        if self.fast and self._sleeping:
+            self.transport.kick()  # type: ignore[attr-defined]
 
     def stop(self, why: str, timeout: float) -> None:
         """Clean shutdown of this rank (propagates to every rank)."""
         if self._thread.is_alive():
-            self.inbox.put(("shutdown", f"rank {self.rank} {why}"))
+            self._post(("shutdown", f"rank {self.rank} {why}"))
             self._thread.join(timeout)
             if self._thread.is_alive():
                 self._abort(f"rank {self.rank} could not shut down cleanly within {timeout:g} s")
@@ -294,18 +324,31 @@ class Engine:
         if payload is None:
             if self.closing or self.closed is not None:
                 return
-            if self.rank == 0:
-                reason = (
-                    f"rank {peer} exited or lost its connection to the coordinator before "
-                    "calling shutdown(); it crashed, was killed, or its host went away"
-                )
-            else:
-                reason = (
-                    "rank 0 (the coordinator) exited or lost its connection before calling "
-                    "shutdown(); it crashed, was killed, or its host went away"
-                )
-            self._abort(reason)
+            if self.fast and self.transport.is_fast(peer):  # type: ignore[attr-defined]
+                # Its last messages (e.g. a shutdown) may still sit in shared memory: judge
+                # the loss after reading them, on the thread that runs the engine.
+                self._post(("lost", peer))
+                return
+            self._lost(peer)
             return
+        self._on_msg(peer, payload)
+
+    def _lost(self, peer: int) -> None:
+        if self.closing or self.closed is not None:
+            return
+        if self.rank == 0:
+            reason = (
+                f"rank {peer} exited or lost its connection to the coordinator before "
+                "calling shutdown(); it crashed, was killed, or its host went away"
+            )
+        else:
+            reason = (
+                "rank 0 (the coordinator) exited or lost its connection before calling "
+                "shutdown(); it crashed, was killed, or its host went away"
+            )
+        self._abort(reason)
+
+    def _on_msg(self, peer: int, payload: bytes) -> None:
         try:
             msg = decode(payload)
         except Exception as e:  # a peer that proved the secret but sent nonsense
@@ -323,7 +366,7 @@ class Engine:
             return
         if msg[0] == "P" and msg[2] is not None:
             self.closing = True  # a clean shutdown follows; the connection will drop
-        self.inbox.put(("ctl", peer, msg))
+        self._post(("ctl", peer, msg))
 
     def _abort(self, reason: str, broadcast: bool = True) -> None:
         """Stop this rank's collectives with ``reason``; on the coordinator, tell every rank."""
@@ -347,10 +390,13 @@ class Engine:
                 except Exception:
                     pass
         self.transport.abort(reason)
-        self.inbox.put(("abort", reason))
+        self._post(("abort", reason))
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        if self.fast:
+            self._run_fast()
+            return
         try:
             while True:
                 timeout = self._timeout()
@@ -374,6 +420,108 @@ class Engine:
             self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
         finally:
             self._close_table(self.closed or shutdown_message())
+
+    # ---------------------------------------------------------- shared-memory mode
+    def _collect(self) -> list[tuple]:
+        """Events for the thread running the engine: control messages from same-host ranks
+        (read from shared memory), then everything posted to the inbox."""
+        batch: list[tuple] = []
+        for peer, payload in self.transport.poll_fast():  # type: ignore[attr-defined]
+            try:
+                msg = decode(payload)
+            except Exception as e:
+                self._abort(f"rank {peer} sent a malformed control message ({e})")
+                continue
+            if msg[0] == "P" and msg[2] is not None:
+                self.closing = True
+            batch.append(("ctl", peer, msg))
+        inbox = self.inbox
+        while not inbox.empty():
+            try:
+                batch.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _busy(self) -> bool:
+        return not self.inbox.empty() or self._stop_now
+
+    def _run_fast(self) -> None:
+        t = self.transport
+        try:
+            while not self._stop_now:
+                with self.drive:
+                    if self._stop_now:
+                        break
+                    if not self._handle(self._collect()):
+                        break
+                    timeout = self._timeout()
+                    if timeout == 0 or self._busy():
+                        continue
+                    self._sleep_until = None if timeout is None else time.monotonic() + timeout
+                    self._sleeping = True
+                try:
+                    t.sleep(timeout, self._busy)  # type: ignore[attr-defined]
+                finally:
+                    self._sleeping = False
+        except TransportError as e:
+            self._abort(str(e))
+        except Exception as e:
+            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+            self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
+        finally:
+            self._stop_now = True
+            self._close_table(self.closed or shutdown_message())
+
+    def run_until(self, handle: Handle) -> None:
+        """Run the engine on the calling thread until ``handle`` completes, as long as there is
+        work or for up to the spin time without any; then leave it to the engine thread."""
+        if self._stop_now or not self.drive.acquire(blocking=False):
+            return
+        t = self.transport
+        t.set_driving(True)  # type: ignore[attr-defined]
+        try:
+            deadline = time.perf_counter() + self.spin_s
+            while not handle.done() and not self._stop_now:
+                batch = self._collect()
+                if batch or self._timeout() == 0:
+                    if not self._handle(batch):
+                        self._stop_now = True
+                        break
+                    deadline = time.perf_counter() + self.spin_s
+                elif time.perf_counter() > deadline:
+                    break
+        except TransportError as e:
+            self._abort(str(e))
+        except Exception as e:
+            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+            self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
+        finally:
+            t.set_driving(False)  # type: ignore[attr-defined]
+            _fence()
+            self.drive.release()
+            self._after_drive()
+
+    def _after_drive(self) -> None:
+        """The engine thread may be asleep with a deadline set before this thread ran the
+        engine: wake it if there is work now or a timer it does not know about."""
+        if not self._sleeping:
+            return
+        t = self.transport
+        due = self._timeout()
+        wake = self._stop_now or self._busy() or t.fast_pending()  # type: ignore[attr-defined]
+        if not wake and due is not None:
+            until = self._sleep_until
+            wake = until is None or time.monotonic() + due < until
+        if wake:
+            t.kick()  # type: ignore[attr-defined]
+
+    def _send(self, peer: int, payload: bytes) -> None:
+        """Engine-to-engine messages: through shared memory when the peer shares this host."""
+        if self.fast:
+            self.transport.send_fast(peer, payload)  # type: ignore[attr-defined]
+        else:
+            self.transport.send_ctrl(peer, payload)
 
     def _timeout(self) -> float | None:
         if self.closed is not None:
@@ -405,7 +553,9 @@ class Engine:
                         self.coordinator.shutdown_why = ev[1]
                 elif not self._shutdown_asked:
                     self._shutdown_asked = True
-                    self.transport.send_ctrl(0, encode(("S", ev[1])))
+                    self._send(0, encode(("S", ev[1])))
+            elif kind == "lost":
+                self._lost(ev[1])
             elif kind == "abort":
                 return False
         if self.closed is not None:
@@ -441,7 +591,7 @@ class Engine:
                 items.append(("R", req.wire()))
                 self.stats["requests_sent"] += 1
         if items:
-            self.transport.send_ctrl(0, encode(("Q", items)))
+            self._send(0, encode(("Q", items)))
 
     def _resend(self, wanted: list[tuple[int, int]]) -> None:
         want = set(wanted)
@@ -451,7 +601,7 @@ class Engine:
         for e in entries:
             e.cid = None
         if items:
-            self.transport.send_ctrl(0, encode(("Q", items)))
+            self._send(0, encode(("Q", items)))
 
     # ------------------------------------------------------------------ executing responses
     def _process_list(
@@ -460,9 +610,8 @@ class Engine:
         self.stats["cycles"] += 1
         for item in items:
             resp = self._decode_response(item)
-            if resp is None:
-                continue
-            self._execute(resp)
+            if resp is not None:
+                self._execute(resp)
         if params is not None:  # autotune: every rank switches at this same point
             self.apply_params(params)
         if shutdown_why is not None:
@@ -837,7 +986,7 @@ class _Coordinator:
         now = e.clock()
         if self.resend:
             for peer, wanted in self.resend.items():
-                e.transport.send_ctrl(peer, encode(("RESEND", wanted)))
+                e._send(peer, encode(("RESEND", wanted)))
             self.resend = {}
         if now >= self.next_stall:
             self._stall_check(now)
@@ -861,7 +1010,7 @@ class _Coordinator:
         if e.size > 1:
             wire = encode(msg)
             for p in range(1, e.size):
-                e.transport.send_ctrl(p, wire)
+                e._send(p, wire)
         return msg
 
     # ----------------------------------------------------------- building responses

@@ -90,6 +90,14 @@ def poll(handle: int) -> bool:
     return F.poll(handle)
 
 
+def _sync(submit: Any, *args: Any, **kwargs: Any) -> Any:
+    """``synchronize(submit(*args, **kwargs))``, telling the engine that this thread waits
+    at once (it runs the engine itself instead of waking the engine thread)."""
+    with F.waited():
+        handle = submit(*args, **kwargs)
+    return synchronize(handle)
+
+
 def synchronize(handle: int) -> Any:
     try:
         return F.synchronize(handle)
@@ -225,8 +233,8 @@ def allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    return synchronize(
-        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return _sync(
+        allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set
     )
 
 
@@ -236,24 +244,26 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):  # type: ignore[override]
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(
-            allreduce_async(
-                tensor,
-                name=name,
-                op=op,
-                prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor,
-                process_set=process_set,
-            )
+        return _sync(
+            allreduce_async,
+            tensor,
+            name=name,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
         )
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         op, pre, post, ps = ctx.args
-        out = synchronize(
-            allreduce_async(
-                grad.contiguous(), op=op, prescale_factor=pre, postscale_factor=post, process_set=ps
-            )
+        out = _sync(
+            allreduce_async,
+            grad.contiguous(),
+            op=op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=ps,
         )
         return out, None, None, None, None, None
 
@@ -336,10 +346,15 @@ def grouped_allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
-    return synchronize(
-        grouped_allreduce_async_(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    return _sync(
+        grouped_allreduce_async_,
+        tensors,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
     )
 
 
@@ -348,29 +363,27 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     def forward(ctx, name, op, pre, post, process_set, *tensors):  # type: ignore[override]
         ctx.args = (op, pre, post, process_set)
         return tuple(
-            synchronize(
-                grouped_allreduce_async(
-                    list(tensors),
-                    name=name,
-                    op=op,
-                    prescale_factor=pre,
-                    postscale_factor=post,
-                    process_set=process_set,
-                )
+            _sync(
+                grouped_allreduce_async,
+                list(tensors),
+                name=name,
+                op=op,
+                prescale_factor=pre,
+                postscale_factor=post,
+                process_set=process_set,
             )
         )
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         op, pre, post, ps = ctx.args
-        outs = synchronize(
-            grouped_allreduce_async(
-                [g.contiguous() for g in grads],
-                op=op,
-                prescale_factor=pre,
-                postscale_factor=post,
-                process_set=ps,
-            )
+        outs = _sync(
+            grouped_allreduce_async,
+            [g.contiguous() for g in grads],
+            op=op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=ps,
         )
         return (None, None, None, None, None, *outs)
 
@@ -442,7 +455,7 @@ class HorovodAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):  # type: ignore[override]
         ctx.dim0 = tensor.shape[0]
         ctx.process_set = process_set
-        return synchronize(allgather_async(tensor, name=name, process_set=process_set))
+        return _sync(allgather_async, tensor, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -454,10 +467,10 @@ def _allgather_grads(
 ) -> list[torch.Tensor]:
     """Upstream's allgather backward: average the output gradient over the ranks, then keep
     the rows this rank contributed."""
-    averaged = synchronize(
-        grouped_allreduce_async([g.contiguous() for g in grads], op=Average, process_set=ps)
+    averaged = _sync(
+        grouped_allreduce_async, [g.contiguous() for g in grads], op=Average, process_set=ps
     )
-    dims = synchronize(allgather_async(torch.tensor([list(dim0s)]), process_set=ps)).tolist()
+    dims = _sync(allgather_async, torch.tensor([list(dim0s)]), process_set=ps).tolist()
     me = ps.rank() if ps is not global_process_set else F.rank()
     out = []
     for i, g in enumerate(averaged):
@@ -471,7 +484,7 @@ class HorovodGroupedAllgather(torch.autograd.Function):
     def forward(ctx, name, process_set, *tensors):  # type: ignore[override]
         ctx.dim0s, ctx.process_set = [t.shape[0] for t in tensors], process_set
         return tuple(
-            synchronize(grouped_allgather_async(list(tensors), name=name, process_set=process_set))
+            _sync(grouped_allgather_async, list(tensors), name=name, process_set=process_set)
         )
 
     @staticmethod
@@ -537,7 +550,7 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _sync(broadcast_async_, tensor, root_rank, name, process_set)
 
 
 class HorovodBroadcast(torch.autograd.Function):
@@ -546,13 +559,11 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):  # type: ignore[override]
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name=name, process_set=process_set))
+        return _sync(broadcast_async, tensor, root_rank, name=name, process_set=process_set)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        out = synchronize(
-            allreduce_async(grad.contiguous(), op=Average, process_set=ctx.process_set)
-        )
+        out = _sync(allreduce_async, grad.contiguous(), op=Average, process_set=ctx.process_set)
         if F.rank() != ctx.root_rank:
             out = out * 0
         return out, None, None, None
@@ -600,13 +611,12 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):  # type: ignore[override]
-        out, received = synchronize(
-            alltoall_async(
-                tensor,
-                splits if splits is not None else _even_splits(tensor, process_set),
-                name=name,
-                process_set=process_set,
-            )
+        out, received = _sync(
+            alltoall_async,
+            tensor,
+            splits if splits is not None else _even_splits(tensor, process_set),
+            name=name,
+            process_set=process_set,
         )
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
@@ -614,9 +624,7 @@ class HorovodAlltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _unused):  # type: ignore[override]
-        out, _ = synchronize(
-            alltoall_async(grad.contiguous(), ctx.received, process_set=ctx.process_set)
-        )
+        out, _ = _sync(alltoall_async, grad.contiguous(), ctx.received, process_set=ctx.process_set)
         return out, None, None, None
 
 
@@ -697,15 +705,14 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, pre, post):  # type: ignore[override]
         ctx.args = (op, process_set, pre, post)
-        return synchronize(
-            reducescatter_async(
-                tensor,
-                name=name,
-                op=op,
-                process_set=process_set,
-                prescale_factor=pre,
-                postscale_factor=post,
-            )
+        return _sync(
+            reducescatter_async,
+            tensor,
+            name=name,
+            op=op,
+            process_set=process_set,
+            prescale_factor=pre,
+            postscale_factor=post,
         )
 
     @staticmethod
@@ -717,7 +724,7 @@ def _reducescatter_grads(args: tuple, grads: Sequence[torch.Tensor]) -> list[tor
     """Upstream's reducescatter backward: allgather the gradient, times the set size for Sum,
     times the scale factors."""
     op, ps, pre, post = args
-    gathered = synchronize(grouped_allgather_async([g.contiguous() for g in grads], process_set=ps))
+    gathered = _sync(grouped_allgather_async, [g.contiguous() for g in grads], process_set=ps)
     n = ps.size() if ps is not global_process_set else F.size()
     factor = (n if op == Sum else 1) * pre * post
     return [g * factor for g in gathered]
@@ -728,9 +735,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
     def forward(ctx, name, op, process_set, pre, post, *tensors):  # type: ignore[override]
         ctx.args = (op, process_set, pre, post)
         return tuple(
-            synchronize(
-                grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
-            )
+            _sync(grouped_reducescatter_async, list(tensors), name, op, process_set, pre, post)
         )
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Shared-memory data plane for ranks on the same host; TCP (the inner transport) for the rest.
 
 Layout. Every rank owns one segment (a file in ``/dev/shm``, mapped by every rank on its host):
-a page whose first word says whether the owner is asleep, then one *channel* per local peer
+a page whose first words say whether the owner is asleep (data plane, engine), then one *channel* per local peer
 that sends to it. A channel is a page of counters (chunks written by the sender, chunks read by
 the receiver, each on its own cache line) and ``slots`` slots of ``chunk`` bytes. A message
 moves as consecutive chunks, one per slot, so the sender fills the next slot while the receiver
@@ -55,6 +55,8 @@ from horovod.transport.base import (
 
 PAGE = 4096
 PREFIX = "pyhvd-"
+RING = 256 * 1024  # control-message ring per pair and direction
+FRAME = 8  # little-endian length before each control message
 _POLL_MS = 200
 _STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
@@ -119,6 +121,84 @@ class _Chan:
         self.count = 0  # this side's own counter (written or read so far)
 
 
+class _Ring:
+    """A byte stream of framed control messages from one rank to another."""
+
+    __slots__ = ("wr", "rd", "data", "count", "pending", "acc")
+
+    def __init__(self, mem: mmap.mmap, base: int) -> None:
+        mv = memoryview(mem)
+        self.wr = mv[base : base + 8].cast("q")  # bytes written (sender)
+        self.rd = mv[base + 64 : base + 72].cast("q")  # bytes read (receiver)
+        self.data = mv[base + PAGE : base + PAGE + RING]
+        self.count = 0  # this side's own counter
+        self.pending: list[memoryview] = []  # sender: frames waiting for room
+        self.acc = bytearray()  # receiver: bytes of incomplete frames
+
+    def room(self) -> int:
+        return RING - (self.count - self.rd[0])
+
+    def flush(self) -> bool:
+        """Sender: copy queued frames in as far as they fit; True if anything was written."""
+        wrote = False
+        while self.pending:
+            free = self.room()
+            if free <= 0:
+                break
+            mv = self.pending[0]
+            n = min(free, mv.nbytes)
+            pos = self.count % RING
+            first = min(n, RING - pos)
+            self.data[pos : pos + first] = mv[:first]
+            if first < n:
+                self.data[: n - first] = mv[first:n]
+            self.count += n
+            wrote = True
+            if n == mv.nbytes:
+                self.pending.pop(0)
+            else:
+                self.pending[0] = mv[n:]
+        if wrote:
+            _order()
+            self.wr[0] = self.count
+        return wrote
+
+    def take(self) -> int:
+        """Receiver: move everything written so far into ``acc``; returns how many bytes."""
+        end = self.wr[0]
+        n = end - self.count
+        if n <= 0:
+            return 0
+        _order()
+        pos = self.count % RING
+        first = min(n, RING - pos)
+        self.acc += self.data[pos : pos + first]
+        if first < n:
+            self.acc += self.data[: n - first]
+        self.count = end
+        _order()
+        self.rd[0] = end
+        return n
+
+    def frames(self) -> list[bytes]:
+        out = []
+        acc = self.acc
+        off = 0
+        while len(acc) - off >= FRAME:
+            n = int.from_bytes(acc[off : off + FRAME], "little")
+            if len(acc) - off - FRAME < n:
+                break
+            out.append(bytes(acc[off + FRAME : off + FRAME + n]))
+            off += FRAME + n
+        if off:
+            del acc[:off]
+        return out
+
+    def release(self) -> None:
+        for v in (self.wr, self.rd, self.data):
+            v.release()
+
+
 class _Pending:
     """A message in progress over a channel: bytes (copy) or an array to reduce into."""
 
@@ -162,6 +242,12 @@ class ShmTransport(Transport):
         self._out: dict[int, _Chan] = {}
         self._in: dict[int, _Chan] = {}
         self._asleep: dict[int, memoryview] = {}
+        self._rin: dict[int, _Ring] = {}
+        self._rout: dict[int, _Ring] = {}
+        self._sleepers = 0  # threads in a data-plane wait's sleep
+        self._engine_asleep = False  # the engine thread in sleep()
+        self._driving = False
+        self._sleep_lock = threading.Lock()
         self._addr: dict[int, str | bytes] = {}
         self._sock: socket.socket | None = None
         self._path: str | None = None
@@ -196,7 +282,7 @@ class ShmTransport(Transport):
         return PAGE + self.nslots * self.chunk
 
     def _seg_bytes(self, owner: int) -> int:
-        return PAGE + (len(self.local) - 1) * self._chan_bytes()
+        return PAGE + (len(self.local) - 1) * (self._chan_bytes() + PAGE + RING)
 
     def _setup(self, store: Store, scope: str, secret: bytes, timeout: float) -> None:
         me = self.rank
@@ -299,8 +385,11 @@ class ShmTransport(Transport):
             # me -> r in r's segment at my index among r's peers.
             self._in[r] = _Chan(mine, PAGE + self._index(me, r) * cb, self.nslots, self.chunk)
             self._out[r] = _Chan(theirs, PAGE + self._index(r, me) * cb, self.nslots, self.chunk)
-            self._asleep[r] = memoryview(theirs)[0:8].cast("q")
-        self._me_asleep = memoryview(mine)[0:8].cast("q")
+            self._asleep[r] = memoryview(theirs)[0:72].cast("q")  # [0] data, [8] engine
+            rings = PAGE + (len(self.local) - 1) * cb
+            self._rin[r] = _Ring(mine, rings + self._index(me, r) * (PAGE + RING))
+            self._rout[r] = _Ring(theirs, rings + self._index(r, me) * (PAGE + RING))
+        self._me_asleep = memoryview(mine)[0:72].cast("q")
 
     def _index(self, owner: int, sender: int) -> int:
         return [r for r in self.local if r != owner].index(sender)
@@ -411,9 +500,11 @@ class ShmTransport(Transport):
                 del inc[peer]
         return moved
 
-    def _wake(self, peer: int) -> None:
+    def _wake(self, peer: int, ctrl: bool = False) -> None:
+        """After publishing a counter: wake ``peer`` if it sleeps waiting for one (its data-
+        plane wait, or with ``ctrl`` its engine thread)."""
         _fence()
-        if self._asleep[peer][0]:
+        if self._asleep[peer][8 if ctrl else 0]:
             try:
                 self._sock.sendto(b"w", self._addr[peer])  # type: ignore[union-attr]
             except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
@@ -434,7 +525,7 @@ class ShmTransport(Transport):
             ):
                 return
         # Sleep until a peer wakes us: announce it, then look once more.
-        self._me_asleep[0] = 1
+        self._enter_sleep()
         try:
             _fence()
             if self._ready(out, inc):
@@ -462,8 +553,38 @@ class ShmTransport(Transport):
                 if events or self._ready(out, inc):
                     break
         finally:
-            self._me_asleep[0] = 0
+            self._exit_sleep()
         self._drain()
+
+    def _enter_sleep(self, engine: bool = False) -> None:
+        with self._sleep_lock:
+            if engine:
+                self._engine_asleep = True
+            else:
+                self._sleepers += 1
+            self._publish_asleep()
+
+    def _exit_sleep(self, engine: bool = False) -> None:
+        with self._sleep_lock:
+            if engine:
+                self._engine_asleep = False
+            else:
+                self._sleepers -= 1
+            self._publish_asleep()
+
+    def _publish_asleep(self) -> None:
+        """Peers wake us (one datagram) only if the word they read is set: the data word
+        while a data-plane wait sleeps, the engine word while the engine thread sleeps and no
+        other thread runs the engine."""
+        self._me_asleep[0] = int(self._sleepers > 0)
+        self._me_asleep[8] = int(self._engine_asleep and not self._driving)
+
+    def set_driving(self, on: bool) -> None:
+        """While a thread runs the engine and polls actively, the engine thread's sleep needs
+        no wake-ups from peers (that thread kicks it if it leaves work behind)."""
+        with self._sleep_lock:
+            self._driving = on
+            self._publish_asleep()
 
     def _ready(self, out, inc) -> bool:
         """Would ``_progress`` move something now?"""
@@ -504,6 +625,82 @@ class ShmTransport(Transport):
     def send_ctrl(self, peer: int, payload: bytes) -> None:
         self.inner.send_ctrl(peer, payload)
 
+    # The engine's own messages (requests, response lists) to same-host ranks travel through
+    # rings in shared memory and are read by whichever thread runs the engine: no reader thread
+    # and no socket between them. Only the thread running the engine calls these.
+    def is_fast(self, peer: int) -> bool:
+        return peer in self._rout
+
+    def send_fast(self, peer: int, payload: bytes) -> None:
+        ring = self._rout.get(peer)
+        if ring is None:
+            self.inner.send_ctrl(peer, payload)
+            return
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        ring.pending.append(memoryview(len(payload).to_bytes(FRAME, "little") + payload))
+        if ring.flush():
+            self._wake(peer, ctrl=True)
+
+    def poll_fast(self) -> list[tuple[int, bytes]]:
+        """Control messages that same-host ranks sent (complete ones, in order per peer)."""
+        got: list[tuple[int, bytes]] = []
+        for peer, ring in self._rin.items():
+            if ring.take() == RING:
+                self._wake(peer, ctrl=True)  # the ring was full: it may wait for room
+            for payload in ring.frames():
+                got.append((peer, payload))
+        for peer, ring in self._rout.items():
+            if ring.pending and ring.flush():
+                self._wake(peer, ctrl=True)
+        return got
+
+    def fast_pending(self) -> bool:
+        """Is there anything for ``poll_fast`` to read or send?"""
+        for ring in self._rin.values():
+            if ring.count != ring.wr[0]:
+                return True
+        for ring in self._rout.values():
+            if ring.pending and ring.room():
+                return True
+        return False
+
+    def sleep(self, timeout: float | None, busy) -> None:
+        """Block until a same-host rank sends a control message or frees ring space, ``kick``
+        is called, or ``timeout`` seconds pass; returns at once if ``busy()`` is true or
+        messages are already there."""
+        sock = self._sock
+        assert sock is not None
+        self._enter_sleep(engine=True)
+        try:
+            _fence()
+            if busy() or self.fast_pending() or self._aborted is not None:
+                return
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            poller.poll(-1 if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+        finally:
+            self._exit_sleep(engine=True)
+            self._drain()
+
+    def kick(self) -> None:
+        """Wake a thread of this process blocked in ``sleep`` (or in a data-plane wait)."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.sendto(b"k", sock.getsockname())
+            except OSError:
+                pass
+
+    def flush_fast(self, timeout: float) -> None:
+        """Give queued control messages up to ``timeout`` s to fit into their rings."""
+        deadline = time.monotonic() + timeout
+        while any(r.pending for r in self._rout.values()) and time.monotonic() < deadline:
+            for peer, ring in self._rout.items():
+                if ring.pending and ring.flush():
+                    self._wake(peer, ctrl=True)
+            time.sleep(0.001)
+
     def start_ctrl(self, handler: CtrlHandler) -> None:
         self.inner.start_ctrl(handler)
 
@@ -520,6 +717,8 @@ class ShmTransport(Transport):
                 pass
 
     def close(self) -> None:
+        if self._aborted is None and not self._closed:
+            self.flush_fast(2.0)  # e.g. the coordinator's final response list
         self.inner.close()
         self._release()
 
@@ -544,6 +743,10 @@ class ShmTransport(Transport):
                 v.release()
         for v in self._asleep.values():
             v.release()
+        for ring in list(self._rin.values()) + list(self._rout.values()):
+            ring.release()
+        self._rin.clear()
+        self._rout.clear()
         if hasattr(self, "_me_asleep"):
             self._me_asleep.release()
         self._in.clear()
