@@ -328,6 +328,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for signum, handler in old.items():
             signal.signal(signum, handler)
         server.stop()
+        # Shared-memory segments are unlinked once every local rank has mapped them; a rank
+        # killed during set-up can leave its own behind: remove this job's.
+        from horovod.common.shm_names import cleanup_job
+
+        cleanup_job(bytes.fromhex(secret))
     if report:
         print(report, file=sys.stderr)
     return status

@@ -26,7 +26,6 @@ part, so two jobs on one host never collide. If any local rank cannot create or 
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import platform
@@ -42,6 +41,7 @@ import numpy as np
 
 from horovod.common import log
 from horovod.common.exceptions import TransportError
+from horovod.common.shm_names import PREFIX, job_id, shm_dir
 from horovod.rendezvous.store import Store
 from horovod.transport.base import (
     CtrlHandler,
@@ -54,7 +54,6 @@ from horovod.transport.base import (
 )
 
 PAGE = 4096
-PREFIX = "pyhvd-"
 RING = 256 * 1024  # control-message ring per pair and direction
 FRAME = 8  # little-endian length before each control message
 _POLL_MS = 200
@@ -73,38 +72,6 @@ def _order() -> None:
     if not _STRONG_ORDER:
         _fence()
         _fence()
-
-
-def shm_dir() -> str:
-    return (
-        "/dev/shm"
-        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-        else (tempfile.gettempdir())
-    )
-
-
-def job_id(secret: bytes) -> str:
-    """A public id of the job, the same on every rank and in horovodrun."""
-    return hashlib.sha256(b"pyhorovod-shm" + secret).hexdigest()[:12]
-
-
-def cleanup_job(secret: bytes) -> list[str]:
-    """Remove segments of this job that a rank created but did not unlink (it died during
-    set-up). Returns the paths removed."""
-    d, prefix = shm_dir(), f"{PREFIX}{job_id(secret)}-"
-    removed: list[str] = []
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return removed
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(d, name))
-                removed.append(os.path.join(d, name))
-            except OSError:
-                pass
-    return removed
 
 
 class _Chan:

@@ -1,0 +1,140 @@
+"""Shared memory and the engine run by waiting threads, under the real horovodrun (processes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import run_script
+
+from horovod.common.shm_names import PREFIX, shm_dir
+
+pytestmark = pytest.mark.e2e
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir(shm_dir()) if n.startswith(PREFIX)}
+
+
+def test_ranks_on_one_host_use_shared_memory_and_tcp_when_disabled():
+    script = """
+        import horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        print("transport", type(current().engine.transport).__name__, flush=True)
+    """
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("transport ShmTransport") == 2
+    out = run_script(script, env={"HOROVOD_SHARED_MEMORY": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("transport TcpTransport") == 2
+
+
+def test_mixed_sync_async_ops_from_several_threads_stay_exact():
+    """Application threads take turns running the engine; async ops are left to the engine
+    thread. Every result is checked."""
+    script = """
+        import threading, numpy as np, horovod.numpy as hvd
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        errors = []
+
+        def worker(tid):
+            try:
+                for i in range(150):
+                    k = (i * 7 + tid) % 5
+                    x = np.full(10 ** k, r + i, np.float64)
+                    if i % 3 == 0:
+                        h = hvd.allreduce_async(x, name=f"t{tid}.a{i}", op=hvd.Sum)
+                        y = hvd.broadcast(x, root_rank=i % n, name=f"t{tid}.b{i}")
+                        assert (y == i % n + i).all()
+                        out = hvd.synchronize(h)
+                    else:
+                        out = hvd.allreduce(x, name=f"t{tid}.s{i % 4}", op=hvd.Sum)
+                    assert (out == sum(q + i for q in range(n))).all(), (tid, i)
+                    g = hvd.allgather(np.full((r + 1, 2), r, np.int32), name=f"t{tid}.g")
+                    assert g.shape == (n * (n + 1) // 2, 2)
+            except Exception as e:
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print("errors", errors, flush=True)
+        hvd.shutdown()
+    """
+    out = run_script(script, np_=3, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("errors []") == 3, out.stdout
+
+
+def test_idle_job_uses_no_cpu():
+    """Between steps nothing polls: the engine thread sleeps until there is work."""
+    script = """
+        import time, numpy as np, psutil, horovod.numpy as hvd
+        hvd.init()
+        for i in range(50):
+            hvd.allreduce(np.ones(1000), name="warm")
+        h = hvd.allreduce_async(np.ones(10), name="late")  # rank 1 submits it 2 s later
+        if hvd.rank() == 1:
+            time.sleep(2.0)
+        p = psutil.Process()
+        c0, t0 = sum(p.cpu_times()[:2]), time.monotonic()
+        time.sleep(2.0)  # idle, and on rank 0 waiting for rank 1's tensor
+        used = (sum(p.cpu_times()[:2]) - c0) / (time.monotonic() - t0)
+        hvd.synchronize(h)
+        print(f"idle cpu {used:.4f}", flush=True)
+    """
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr
+    used = [float(line.split()[-1]) for line in out.stdout.splitlines() if "idle cpu" in line]
+    assert len(used) == 2 and max(used) < 0.02, used
+
+
+def test_ranks_with_different_data_plane_settings_get_a_clear_error():
+    script = """
+        import os
+        os.environ["HOROVOD_SHM_SLOTS"] = str(2 + int(os.environ["HOROVOD_RANK"]))
+        import horovod.numpy as hvd
+        hvd.init()
+    """
+    out = run_script(script)
+    assert out.returncode != 0
+    assert "HOROVOD_SHM_SLOTS=2 here but 3 on rank 1" in out.stderr + out.stdout
+
+
+def test_killed_rank_leaves_no_shared_memory_and_the_others_stop():
+    before = _ours()
+    script = """
+        import os, signal, numpy as np, horovod.numpy as hvd
+        hvd.init()
+        hvd.allreduce(np.ones(1 << 20), name="x")
+        if hvd.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        hvd.allreduce(np.ones(1 << 20), name="y")
+    """
+    out = run_script(script, timeout=60)
+    assert out.returncode != 0
+    assert "rank 1" in out.stderr
+    assert _ours() - before == set()
+
+
+def test_killed_during_setup_segments_are_removed_by_horovodrun(monkeypatch):
+    """A rank that dies between creating its segment and unlinking it leaves the file; the
+    launcher removes the job's segments when the job ends."""
+    before = _ours()
+    script = """
+        import os, signal
+        import horovod.transport.shm as shm
+        if os.environ["HOROVOD_RANK"] == "1":
+            orig = shm.ShmTransport._map_peer
+            def die(self, r, name):
+                os.kill(os.getpid(), signal.SIGKILL)
+            shm.ShmTransport._map_peer = die
+        import horovod.numpy as hvd
+        hvd.init()
+    """
+    out = run_script(script, timeout=60, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "5"})
+    assert out.returncode != 0
+    assert _ours() - before == set()

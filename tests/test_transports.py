@@ -1,0 +1,399 @@
+"""The Transport contract, run against every data plane: loopback (threads), TCP and shared
+memory (ShmTransport over TCP), each rank in its own thread of this process. Then the
+shared-memory specifics: chunking and ring wrap-around, segment clean-up, two jobs side by side,
+agreement on falling back to TCP, a dead peer, and abort."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from horovod.collectives import algorithms as alg
+from horovod.common.exceptions import TransportError
+from horovod.common.shm_names import PREFIX, job_id, shm_dir
+from horovod.rendezvous.store import MemoryStore
+from horovod.transport.base import Scratch, as_bytes
+from horovod.transport.loopback import LoopbackWorld
+from horovod.transport.shm import ShmTransport
+from horovod.transport.tcp import TcpTransport
+
+SECRET = b"k" * 32
+KINDS = ["loopback", "tcp", "shm"]
+CHUNK = 4096  # small slots: every larger message is cut into many chunks and wraps around
+
+
+def _make(kind: str, n: int, *, store=None, secret=SECRET, chunk=CHUNK, slots=2, spin_us=20.0):
+    """n connected transports of ``kind`` (built concurrently, as ranks would)."""
+    store = store or MemoryStore()
+    world = LoopbackWorld(n) if kind == "loopback" else None
+    out: list = [None] * n
+    errors: list = []
+
+    def build(r: int) -> None:
+        try:
+            if world is not None:
+                out[r] = world.transport(r, 0)
+                return
+            t = TcpTransport(
+                r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
+            )
+            if kind == "shm":
+                t = ShmTransport(
+                    t,
+                    list(range(n)),
+                    store=store,
+                    scope="s",
+                    secret=secret,
+                    chunk=chunk,
+                    slots=slots,
+                    spin_us=spin_us,
+                    timeout=10,
+                )
+            out[r] = t
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors, errors
+    return out
+
+
+def _run(ts, fn, timeout=30):
+    """fn(rank, transport) on every rank concurrently; returns the results by rank."""
+    res: list = [None] * len(ts)
+    errs: list = []
+
+    def go(r):
+        try:
+            res[r] = fn(r, ts[r])
+        except BaseException as e:
+            errs.append((r, e))
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(ts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in threads), "a rank hung"
+    assert not errs, errs
+    return res
+
+
+def _close(ts):
+    for t in ts:
+        t.close()
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_pair_exchanges_messages_of_every_length_in_order(kind, n):
+    lengths = [0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 5 * CHUNK + 3]
+    ts = _make(kind, n)
+    try:
+
+        def fn(r, t):
+            peers = [p for p in range(n) if p != r]
+            sends, recvs, got = [], [], {}
+            for p in peers:
+                for i, ln in enumerate(lengths):
+                    data = np.full(ln, (r * 31 + p * 7 + i) % 251, np.uint8)
+                    sends.append((p, memoryview(data)))
+                    buf = np.empty(ln, np.uint8)
+                    got[(p, i)] = buf
+                    recvs.append((p, memoryview(buf)))
+            t.exchange(sends, recvs)
+            for (p, i), buf in got.items():
+                assert (buf == (p * 31 + r * 7 + i) % 251).all(), (r, p, i)
+            return True
+
+        assert all(_run(ts, fn))
+    finally:
+        _close(ts)
+
+
+def test_exchange_reduce_combines_on_arrival(kind):
+    ts = _make(kind, 2)
+    try:
+
+        def fn(r, t):
+            peer = 1 - r
+            mine = np.arange(3 * CHUNK + 5, dtype=np.float64) * (r + 1)
+            dst = np.arange(3 * CHUNK + 5, dtype=np.float64) * 10
+            ints = np.full(CHUNK // 4 * 3, r + 2, np.int32)
+            idst = np.ones_like(ints)
+            t.exchange_reduce(
+                [(peer, as_bytes(mine)), (peer, as_bytes(ints))],
+                [],
+                [(peer, dst, np.add), (peer, idst, np.multiply)],
+            )
+            expect = np.arange(3 * CHUNK + 5, dtype=np.float64) * (10 + peer + 1)
+            return np.array_equal(dst, expect) and (idst == peer + 2).all()
+
+        assert all(_run(ts, fn))
+    finally:
+        _close(ts)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("elems", [1, 1000, 70_001])
+def test_collective_algorithms_agree_with_numpy(kind, n, elems):
+    """Direct exchange, recursive doubling (n=4), ring; tree and chain broadcast; allgatherv."""
+    ts = _make(kind, n)
+    try:
+
+        def fn(r, t):
+            scratch = Scratch()
+            x = (np.arange(elems) % 13 + r).astype(np.float32)
+            alg.allreduce(t, x, np.add, scratch)
+            want = sum((np.arange(elems) % 13 + k).astype(np.float32) for k in range(n))
+            assert np.array_equal(x, want)
+            b = np.full(elems * 4 + 8 * (1 << 20) * (elems == 70_001), r, np.uint8)
+            alg.broadcast(t, b, n - 1)
+            assert (b == n - 1).all()
+            sizes = [elems + k for k in range(n)]
+            out = np.zeros(sum(sizes), np.uint8)
+            off = sum(sizes[:r])
+            out[off : off + sizes[r]] = r + 1
+            alg.allgatherv(t, out, sizes)
+            assert np.array_equal(out, np.repeat(np.arange(1, n + 1, dtype=np.uint8), sizes))
+            return True
+
+        assert all(_run(ts, fn, timeout=60))
+    finally:
+        _close(ts)
+
+
+def test_every_rank_gets_bitwise_identical_sums(kind):
+    """Floating-point sums are combined in one fixed order, so all ranks hold the same bits."""
+    ts = _make(kind, 3)
+    try:
+        rng = np.random.default_rng(0)
+        data = [rng.standard_normal(50_000).astype(np.float32) * 1e3 for _ in range(3)]
+
+        def fn(r, t):
+            x = data[r].copy()
+            alg.allreduce(t, x, np.add, Scratch())
+            return x.tobytes()
+
+        out = _run(ts, fn)
+        assert out[0] == out[1] == out[2]
+    finally:
+        _close(ts)
+
+
+def test_abort_wakes_a_blocked_exchange_promptly(kind):
+    ts = _make(kind, 2)
+    try:
+        err: list = []
+        t0 = time.monotonic()
+
+        def wait():
+            try:
+                ts[0].exchange([], [(1, memoryview(bytearray(10)))])
+            except TransportError as e:
+                err.append((str(e), time.monotonic() - t0))
+
+        th = threading.Thread(target=wait)
+        th.start()
+        time.sleep(0.3)
+        ts[0].abort("stopping: test")
+        th.join(5)
+        assert not th.is_alive() and err and "stopping: test" in err[0][0]
+        assert err[0][1] < 3
+    finally:
+        _close(ts)
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_peer_that_goes_away_is_reported_by_rank(kind):
+    ts = _make(kind, 2)
+    try:
+        err: list = []
+
+        def wait():
+            try:
+                ts[0].exchange([], [(1, memoryview(bytearray(10)))])
+            except TransportError as e:
+                err.append(str(e))
+
+        th = threading.Thread(target=wait)
+        th.start()
+        time.sleep(0.3)
+        ts[1].close()
+        th.join(5)
+        assert not th.is_alive(), "the waiting rank did not notice"
+        assert err and "rank 1" in err[0]
+    finally:
+        ts[0].close()
+
+
+# ------------------------------------------------------------------ shared memory specifics
+def _segments(secret=SECRET) -> list[str]:
+    return [n for n in os.listdir(shm_dir()) if n.startswith(f"{PREFIX}{job_id(secret)}-")]
+
+
+def test_shm_segments_are_unlinked_once_mapped_and_nothing_is_left():
+    ts = _make("shm", 3)
+    try:
+        assert _segments() == []  # already gone from /dev/shm while the job runs
+        assert all(isinstance(t, ShmTransport) for t in ts)
+    finally:
+        _close(ts)
+    assert _segments() == []
+
+
+def test_two_jobs_on_one_host_do_not_collide():
+    a = _make("shm", 2)
+    b = _make("shm", 2)  # same secret, same scope names: only the random part differs
+    try:
+
+        def fn(tag):
+            def f(r, t):
+                x = np.full(3 * CHUNK, tag + r, np.float32)
+                alg.allreduce(t, x, np.add, Scratch())
+                return float(x[0])
+
+            return f
+
+        out: dict = {}
+        ta = threading.Thread(target=lambda: out.__setitem__("a", _run(a, fn(10))))
+        tb = threading.Thread(target=lambda: out.__setitem__("b", _run(b, fn(100))))
+        ta.start()
+        tb.start()
+        ta.join(30)
+        tb.join(30)
+        assert out["a"] == [21.0, 21.0] and out["b"] == [201.0, 201.0]
+    finally:
+        _close(a)
+        _close(b)
+
+
+def test_very_large_message_through_default_slots():
+    ts = _make("shm", 2, chunk=1 << 20, slots=4)
+    try:
+        n = 48 << 20  # 48 MiB: 48 chunks through 4 slots
+
+        def fn(r, t):
+            x = np.full(n // 4, r + 1, np.float32)
+            alg.allreduce(t, x, np.add, Scratch())
+            return bool((x == 3).all())
+
+        assert all(_run(ts, fn, timeout=120))
+    finally:
+        _close(ts)
+
+
+def test_ranks_agree_to_use_tcp_when_one_cannot_set_up_shared_memory(monkeypatch, caplog):
+    original = ShmTransport._create_segment
+
+    def flaky(self, name):
+        if self.rank == 1:
+            raise OSError("no space left (simulated)")
+        return original(self, name)
+
+    monkeypatch.setattr(ShmTransport, "_create_segment", flaky)
+    store = MemoryStore()
+    out: list = [None] * 2
+
+    def build(r):
+        t = TcpTransport(
+            r, 2, store=store, scope="s", secret=SECRET, advertise="127.0.0.1", timeout=10
+        )
+        out[r] = ShmTransport.create(
+            t,
+            ["h", "h"],
+            store=store,
+            scope="s",
+            secret=SECRET,
+            chunk=CHUNK,
+            slots=2,
+            spin_us=0,
+            timeout=10,
+        )
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    try:
+        assert all(isinstance(t, TcpTransport) for t in out)
+        assert "simulated" in caplog.text and "use TCP" in caplog.text
+        assert _segments() == []
+
+        def fn(r, t):
+            x = np.full(10, r + 1.0)
+            alg.allreduce(t, x, np.add, Scratch())
+            return float(x[0])
+
+        assert _run(out, fn) == [3.0, 3.0]
+    finally:
+        _close(out)
+
+
+def test_only_ranks_on_the_same_host_share_memory():
+    store = MemoryStore()
+    out: list = [None] * 4
+    hosts = ["a", "a", "b", "b"]
+
+    def build(r):
+        t = TcpTransport(
+            r, 4, store=store, scope="s", secret=SECRET, advertise="127.0.0.1", timeout=10
+        )
+        out[r] = ShmTransport.create(
+            t,
+            hosts,
+            store=store,
+            scope="s",
+            secret=SECRET,
+            chunk=CHUNK,
+            slots=2,
+            spin_us=20,
+            timeout=10,
+        )
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    try:
+        assert [t.peers for t in out] == [[1], [0], [3], [2]]
+
+        def fn(r, t):  # the ring mixes shared-memory and TCP links in one exchange
+            x = (np.arange(20_000) + r).astype(np.float64)
+            alg.allreduce(t, x, np.add, Scratch())
+            return bool(np.array_equal(x, 4 * np.arange(20_000) + 6.0))
+
+        assert all(_run(out, fn))
+    finally:
+        _close(out)
+
+
+def test_control_messages_through_shared_memory_keep_order_and_survive_wraparound():
+    ts = _make("shm", 2)
+    try:
+        msgs = [os.urandom(k) for k in (0, 1, 100, 70_000, 200_000, 300_000, 5)]
+        for m in msgs:  # more than the ring holds: the rest waits in the sender's queue
+            ts[0].send_fast(1, m)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while len(got) < len(msgs) and time.monotonic() < deadline:
+            got += [p for _, p in ts[1].poll_fast()]
+            ts[0].poll_fast()  # the sender flushes what did not fit
+        assert got == msgs
+        assert not ts[1].fast_pending()
+    finally:
+        _close(ts)
