@@ -1,7 +1,12 @@
 """Collectives benchmark: pyhorovod vs torch.distributed (Gloo) vs Open MPI (mpi4py).
 
     python -m horovod.benchmarks.collectives            # 2 ranks on this host, all peers found
-    python -m horovod.benchmarks.collectives --np 2 --peers ours,gloo --max-bytes 16M
+    python -m horovod.benchmarks.collectives --np 4 --peers ours,gloo --max-bytes 16M
+
+Peers: ``ours`` (pyhorovod as it runs by default: shared memory between ranks on one host),
+``ours-tcp`` (the same with HOROVOD_SHARED_MEMORY=0, the path between hosts), ``gloo``
+(torch.distributed), ``mpi`` (Open MPI through mpi4py). A ``memcpy`` column gives one process
+copying the same buffer, the physical reference.
 
 For each message size it prints the median latency and the bus bandwidth of allreduce,
 allgather and broadcast for every implementation, measured in the same run, and our/peer
@@ -128,10 +133,22 @@ WORKERS = {"ours": worker_ours, "gloo": worker_gloo, "mpi": worker_mpi}
 
 
 # ---------------------------------------------------------------------------- driver
+# "ours" is pyhorovod as it runs by default (shared memory between ranks on one host);
+# "ours-tcp" the same job with HOROVOD_SHARED_MEMORY=0 (what ranks on different hosts use).
+PEERS = {
+    "ours": ("horovodrun", "ours", {}),
+    "ours-tcp": ("horovodrun", "ours", {"HOROVOD_SHARED_MEMORY": "0"}),
+    "gloo": ("torchrun", "gloo", {}),
+    "mpi": ("mpirun", "mpi", {}),
+}
+
+
 def available(peer: str) -> str | None:
     """None if ``peer`` can run here, else why not."""
     import importlib.util
 
+    if peer not in PEERS:
+        return f"unknown peer (choose from {', '.join(PEERS)})"
     if peer == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch)"
     if peer == "mpi":
@@ -143,11 +160,12 @@ def available(peer: str) -> str | None:
 
 
 def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
+    launcher, worker, env = PEERS[peer]
     out_file = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     args = [
         "horovod.benchmarks.collectives",
         "--worker",
-        peer,
+        worker,
         "--sizes",
         ",".join(map(str, sizes)),
         "--budget",
@@ -155,11 +173,20 @@ def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
         "--out",
         out_file,
     ]
-    launch.run({"ours": "horovodrun", "gloo": "torchrun", "mpi": "mpirun"}[peer], np_, args)
+    launch.run(launcher, np_, args, extra_env=env)
     with open(out_file) as f:
         data = json.load(f)
     os.unlink(out_file)
     return data
+
+
+def memcpy_seconds(nbytes: int, budget: float) -> float:
+    """The physical reference: one process copying a buffer of this size (median)."""
+    import numpy as np
+
+    src = np.ones(max(1, nbytes // 4), np.float32)
+    dst = np.empty_like(src)
+    return _measure(lambda: np.copyto(dst, src), nbytes, budget / 2, lambda: None)
 
 
 def busbw(op: str, nbytes: int, seconds: float, n: int) -> float:
@@ -174,14 +201,21 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def table(results: dict[str, dict], sizes: list[int], n: int) -> str:
+def table(
+    results: dict[str, dict], sizes: list[int], n: int, memcpy: dict[int, float] | None = None
+) -> str:
     peers = list(results)
+    others = [p for p in peers if p != "ours"]
     lines = []
     for op in OPS:
         head = ["size"] + [f"{p} latency" for p in peers] + [f"{p} busbw" for p in peers]
-        head += [f"ours/{p}" for p in peers if p != "ours"]
+        if memcpy:
+            head.append("memcpy")
+        if "ours" in results:
+            head += [f"ours/{p}" for p in others]
         lines.append(
-            f"\n{op} ({n} ranks, float32 sum; ratio = peer time / our time, >1 means we are faster)"
+            f"\n{op} ({n} ranks, float32 sum; ratio = peer time / our time, >1 means we are "
+            "faster; memcpy = one process copying the same buffer, the physical reference)"
         )
         lines.append("| " + " | ".join(head) + " |")
         lines.append("|" + "---|" * len(head))
@@ -193,8 +227,10 @@ def table(results: dict[str, dict], sizes: list[int], n: int) -> str:
                 f"{t[p] * 1e6:.0f} us" if t[p] < 1e-2 else f"{t[p] * 1e3:.1f} ms" for p in peers
             ]
             row += [f"{busbw(op, nbytes, t[p], n):.3f} GB/s" for p in peers]
+            if memcpy:
+                row.append(f"{nbytes / memcpy[nbytes] / 1e9:.2f} GB/s")
             if "ours" in t:
-                row += [f"{t[p] / t['ours']:.2f}x" for p in peers if p != "ours"]
+                row += [f"{t[p] / t['ours']:.2f}x" for p in others]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -202,7 +238,7 @@ def table(results: dict[str, dict], sizes: list[int], n: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=2)
-    ap.add_argument("--peers", default="ours,gloo,mpi")
+    ap.add_argument("--peers", default="ours,ours-tcp,gloo,mpi")
     ap.add_argument("--max-bytes", default="64M")
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument(
@@ -233,8 +269,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{peer} failed: {e}")
             if peer == "ours":
                 return 1
-    print(f"\nhost: {socket.gethostname()}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}")
-    print(table(results, sizes, a.np))
+    memcpy = {nbytes: memcpy_seconds(nbytes, a.budget) for nbytes in sizes}
+    cpus = os.cpu_count() or 1
+    over = f", {a.np} ranks on {cpus} CPUs: oversubscribed" if a.np > cpus else ""
+    print(f"\nhost: {socket.gethostname()}, {cpus} CPUs, python {sys.version.split()[0]}{over}")
+    print(table(results, sizes, a.np, memcpy))
     return 0
 
 

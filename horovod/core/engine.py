@@ -250,6 +250,7 @@ class Engine:
         self.fast = callable(getattr(transport, "poll_fast", None))
         self.drive = threading.Lock()
         self.spin_s = float(getattr(transport, "spin_s", 0.0))
+        self._yield = bool(getattr(transport, "oversubscribed", False))
         self._sleeping = False  # the engine thread is blocked in transport.sleep()
         self._sleep_until: float | None = None
         self._stop_now = False
@@ -491,6 +492,8 @@ class Engine:
                     deadline = time.perf_counter() + self.spin_s
                 elif time.perf_counter() > deadline:
                     break
+                elif self._yield:
+                    os.sched_yield()  # more ranks than cores: let the one we wait for run
         except TransportError as e:
             self._abort(str(e))
         except Exception as e:

@@ -202,6 +202,7 @@ class ShmTransport(Transport):
         self.nslots = slots
         self.spin_s = spin_us / 1e6
         self._yield = len(self.local) > (os.cpu_count() or 1)
+        self.oversubscribed = self._yield  # waiting loops yield the CPU between polls
         self._aborted: str | None = None
         self._closed = False
         self._scratch = Scratch()
@@ -215,10 +216,12 @@ class ShmTransport(Transport):
         self._engine_asleep = False  # the engine thread in sleep()
         self._driving = False
         self._sleep_lock = threading.Lock()
-        self._addr: dict[int, str | bytes] = {}
-        self._sock: socket.socket | None = None
+        self._addr: dict[int, str | bytes] = {}  # peers' data-plane sockets
+        self._eaddr: dict[int, str | bytes] = {}  # peers' engine sockets
+        self._sock: socket.socket | None = None  # wakes this rank's data-plane waits
+        self._esock: socket.socket | None = None  # wakes its engine thread
         self._path: str | None = None
-        self._sock_path: str | None = None
+        self._sock_paths: list[str] = []
         try:
             self._setup(store, scope, secret, timeout)
         except BaseException:
@@ -258,6 +261,7 @@ class ShmTransport(Transport):
         try:
             self._path = self._create_segment(name)
             self._sock = self._bind(name)
+            self._esock = self._bind(name + "e")
         except OSError as e:
             err = f"rank {me}: {e}"
         store.set(scope, f"shm.{me}", (name if not err else "!" + err).encode())
@@ -318,8 +322,9 @@ class ShmTransport(Transport):
         if sys.platform.startswith("linux"):
             s.bind("\0" + name)  # abstract: vanishes with the process
         else:
-            self._sock_path = os.path.join(tempfile.gettempdir(), name + ".sock")
-            s.bind(self._sock_path)
+            path = os.path.join(tempfile.gettempdir(), name + ".sock")
+            self._sock_paths.append(path)
+            s.bind(path)
         s.setblocking(False)
         return s
 
@@ -336,11 +341,8 @@ class ShmTransport(Transport):
             self._maps[r] = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._addr[r] = (
-            "\0" + name
-            if sys.platform.startswith("linux")
-            else os.path.join(tempfile.gettempdir(), name + ".sock")
-        )
+        self._addr[r] = _address(name)
+        self._eaddr[r] = _address(name + "e")
 
     def _build_channels(self) -> None:
         me = self.rank
@@ -473,7 +475,9 @@ class ShmTransport(Transport):
         _fence()
         if self._asleep[peer][8 if ctrl else 0]:
             try:
-                self._sock.sendto(b"w", self._addr[peer])  # type: ignore[union-attr]
+                self._sock.sendto(  # type: ignore[union-attr]
+                    b"w", (self._eaddr if ctrl else self._addr)[peer]
+                )
             except (BlockingIOError, ConnectionRefusedError, FileNotFoundError):
                 pass  # its queue is full (it will wake anyway) or it is gone (EOF tells)
             except OSError:
@@ -578,8 +582,8 @@ class ShmTransport(Transport):
             return TransportError(self._aborted)
         return self.inner.lost(peer, err)  # type: ignore[attr-defined]
 
-    def _drain(self) -> None:
-        sock = self._sock
+    def _drain(self, sock: socket.socket | None = None) -> None:
+        sock = sock or self._sock
         if sock is None:
             return
         while True:
@@ -636,7 +640,7 @@ class ShmTransport(Transport):
         """Block until a same-host rank sends a control message or frees ring space, ``kick``
         is called, or ``timeout`` seconds pass; returns at once if ``busy()`` is true or
         messages are already there."""
-        sock = self._sock
+        sock = self._esock
         assert sock is not None
         self._enter_sleep(engine=True)
         try:
@@ -648,11 +652,11 @@ class ShmTransport(Transport):
             poller.poll(-1 if timeout is None else max(0, int(timeout * 1000 + 0.999)))
         finally:
             self._exit_sleep(engine=True)
-            self._drain()
+            self._drain(sock)
 
     def kick(self) -> None:
-        """Wake a thread of this process blocked in ``sleep`` (or in a data-plane wait)."""
-        sock = self._sock
+        """Wake this process's engine thread if it is blocked in ``sleep``."""
+        sock = self._esock
         if sock is not None:
             try:
                 sock.sendto(b"k", sock.getsockname())
@@ -676,12 +680,12 @@ class ShmTransport(Transport):
         if self._aborted is None:
             self._aborted = reason
         self.inner.abort(reason)
-        sock = self._sock
-        if sock is not None:  # wake our own sleeping wait
-            try:
-                sock.sendto(b"x", sock.getsockname())
-            except OSError:
-                pass
+        for sock in (self._sock, self._esock):  # wake our own sleeping waits
+            if sock is not None:
+                try:
+                    sock.sendto(b"x", sock.getsockname())
+                except OSError:
+                    pass
 
     def close(self) -> None:
         if self._aborted is None and not self._closed:
@@ -698,11 +702,12 @@ class ShmTransport(Transport):
                 os.unlink(self._path)
             except OSError:
                 pass
-        if self._sock is not None:
-            self._sock.close()
-        if self._sock_path is not None:
+        for sock in (self._sock, self._esock):
+            if sock is not None:
+                sock.close()
+        for path in self._sock_paths:
             try:
-                os.unlink(self._sock_path)
+                os.unlink(path)
             except OSError:
                 pass
         for ch in list(self._in.values()) + list(self._out.values()):
@@ -728,6 +733,12 @@ class ShmTransport(Transport):
     @property
     def aborted(self) -> str | None:
         return self._aborted
+
+
+def _address(name: str) -> str:
+    if sys.platform.startswith("linux"):
+        return "\0" + name
+    return os.path.join(tempfile.gettempdir(), name + ".sock")
 
 
 class _Unusable(TransportError):
