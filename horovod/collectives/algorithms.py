@@ -21,7 +21,7 @@ import numpy as np
 
 from horovod.transport.base import Reducer, Scratch, as_bytes
 
-SMALL_BYTES = 64 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
+SMALL_BYTES = 128 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
 PIPELINE_BYTES = 1 << 20  # block size of the pipelined chain broadcast
 
 

@@ -213,7 +213,7 @@ class Config:
     )
     ring_threshold_bytes: int = _knob(
         "HOROVOD_RING_THRESHOLD_BYTES",
-        64 * 1024,
+        128 * 1024,
         "Allreduce/allgather/broadcast payloads above this use the bandwidth-optimal ring or "
         "pipelined chain; at or below, latency-optimal direct exchange / recursive doubling / "
         "binomial tree.",
