@@ -82,6 +82,9 @@ DUPLICATE_NAME = (
 )
 
 
+MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
+
+
 class Handle:
     """Completion of one submitted op (several entries for a grouped op)."""
 
@@ -228,6 +231,7 @@ class Engine:
             "fused_responses": 0,
             "cache_hits_sent": 0,
             "requests_sent": 0,
+            "responses_run_by_caller": 0,  # executed by a waiting application thread
         }
         self._register(0, range(size))
         for i, ranks in enumerate(process_sets, start=1):
@@ -254,6 +258,7 @@ class Engine:
         self._sleeping = False  # the engine thread is blocked in transport.sleep()
         self._sleep_until: float | None = None
         self._stop_now = False
+        self._linger_until = 0.0  # until then the engine thread leaves work to waiting threads
         self._thread = threading.Thread(
             target=self._run, name=f"horovod-engine-{rank}", daemon=True
         )
@@ -459,10 +464,21 @@ class Engine:
                     timeout = self._timeout()
                     if timeout == 0 or self._busy():
                         continue
+                    if self.coordinator is not None:
+                        # Wake at least every second: a thread that runs the engine need not
+                        # kick this one for far timers (stall checks), only for near ones.
+                        timeout = MAX_SLEEP_S if timeout is None else min(timeout, MAX_SLEEP_S)
                     self._sleep_until = None if timeout is None else time.monotonic() + timeout
                     self._sleeping = True
                 try:
                     t.sleep(timeout, self._busy)  # type: ignore[attr-defined]
+                    # Woken right after a waiting thread ran the engine: that thread is likely
+                    # to be back at once (a loop of synchronous calls). Leave the work to it
+                    # rather than take the engine and make it wait on a hand-off; look again
+                    # when that grace period ends.
+                    linger = self._linger_until - time.perf_counter()
+                    if linger > 0 and not self._stop_now:
+                        t.nap(linger)  # type: ignore[attr-defined]
                 finally:
                     self._sleeping = False
         except TransportError as e:
@@ -500,19 +516,24 @@ class Engine:
             logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
             self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
         finally:
+            done = handle.done()
+            # Done: this thread is probably back soon (a loop of synchronous calls), so the
+            # engine thread leaves new work to it for a moment. Gave up waiting: the engine
+            # thread takes over at once.
+            self._linger_until = time.perf_counter() + self.spin_s if done else 0.0
             t.set_driving(False)  # type: ignore[attr-defined]
             _fence()
             self.drive.release()
-            self._after_drive()
+            self._after_drive(force=not done)
 
-    def _after_drive(self) -> None:
+    def _after_drive(self, force: bool = False) -> None:
         """The engine thread may be asleep with a deadline set before this thread ran the
         engine: wake it if there is work now or a timer it does not know about."""
         if not self._sleeping:
             return
         t = self.transport
         due = self._timeout()
-        wake = self._stop_now or self._busy() or t.fast_pending()  # type: ignore[attr-defined]
+        wake = force or self._stop_now or self._busy() or t.fast_pending()  # type: ignore[attr-defined]
         if not wake and due is not None:
             until = self._sleep_until
             wake = until is None or time.monotonic() + due < until
@@ -661,6 +682,8 @@ class Engine:
                 # the data plane breaks or raises mid-way.
                 self.running = entries
         self.stats["responses"] += 1
+        if threading.get_ident() != self._thread.ident:
+            self.stats["responses_run_by_caller"] += 1
         if len(resp.names) > 1:
             self.stats["fused_responses"] += 1
         tl = self.timeline

@@ -654,6 +654,19 @@ class ShmTransport(Transport):
             self._exit_sleep(engine=True)
             self._drain(sock)
 
+    def nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` unless ``kick`` is called; peers are not asked to wake us."""
+        sock = self._esock
+        assert sock is not None
+        fd = sock.fileno()
+        if fd < 1024:  # select() has microsecond resolution, poll() only milliseconds
+            select.select([fd], [], [], max(0.0, seconds))
+        else:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll(max(0, int(seconds * 1000 + 0.999)))
+        self._drain(sock)
+
     def kick(self) -> None:
         """Wake this process's engine thread if it is blocked in ``sleep``."""
         sock = self._esock
