@@ -86,26 +86,37 @@ MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-
 
 
 class Handle:
-    """Completion of one submitted op (several entries for a grouped op)."""
+    """Completion of one submitted op (several entries for a grouped op). The event that a
+    blocked waiter sleeps on is created only when somebody has to block (a thread that runs
+    the engine itself usually finds the handle done)."""
 
-    __slots__ = ("_event", "_left", "results", "error", "callsite", "_lock", "finish", "driver")
+    __slots__ = (
+        "_event",
+        "_left",
+        "_done",
+        "results",
+        "error",
+        "callsite",
+        "_lock",
+        "finish",
+        "driver",
+    )
 
     def __init__(
         self, n: int, callsite: str = "", finish: Callable[[list[Any]], Any] | None = None
     ) -> None:
-        self._event = threading.Event()
+        self._event: threading.Event | None = None
         self._left = n
+        self._done = n == 0
         self._lock = threading.Lock()
         self.results: list[Any] = [None] * n
         self.error: str | None = None
         self.callsite = callsite
         self.finish = finish
         self.driver: Callable[[Handle], None] | None = None  # runs the engine until done
-        if n == 0:
-            self._event.set()
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def _complete(self, index: int, result: Any = None, error: str | None = None) -> None:
         with self._lock:
@@ -115,13 +126,22 @@ class Handle:
                 self.results[index] = result
             self._left -= 1
             if self._left == 0:
-                self._event.set()
+                self._done = True
+                if self._event is not None:
+                    self._event.set()
 
     def wait(self) -> list[Any]:
-        if self.driver is not None and not self._event.is_set():
-            self.driver(self)
-        while not self._event.wait(0.5):
-            pass
+        if not self._done:
+            if self.driver is not None:
+                self.driver(self)
+            if not self._done:
+                with self._lock:
+                    if self._event is None:
+                        self._event = threading.Event()
+                    if self._done:
+                        self._event.set()
+                while not self._event.wait(0.5):
+                    pass
         if self.error is not None:
             where = f"\n  (this rank submitted it at {self.callsite})" if self.callsite else ""
             raise HorovodInternalError(self.error + where)
@@ -497,16 +517,23 @@ class Engine:
             return
         t = self.transport
         t.set_driving(True)  # type: ignore[attr-defined]
+        clock = time.perf_counter
         try:
-            deadline = time.perf_counter() + self.spin_s
+            due = self._timeout()
+            timer = clock() + due if due is not None else float("inf")
+            deadline = clock() + self.spin_s
             while not handle.done() and not self._stop_now:
                 batch = self._collect()
-                if batch or self._timeout() == 0:
+                now = clock()
+                if batch or now >= timer:
                     if not self._handle(batch):
                         self._stop_now = True
                         break
-                    deadline = time.perf_counter() + self.spin_s
-                elif time.perf_counter() > deadline:
+                    due = self._timeout()
+                    now = clock()
+                    timer = now + due if due is not None else float("inf")
+                    deadline = now + self.spin_s
+                elif now > deadline:
                     break
                 elif self._yield:
                     os.sched_yield()  # more ranks than cores: let the one we wait for run
