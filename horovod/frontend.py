@@ -43,6 +43,7 @@ from horovod.core.messages import (
     SUM,
     Request,
 )
+from horovod.core.pool import POOL as _POOL
 
 # Reduce ops, as upstream exports them.
 Average, Sum, Adasum, Min, Max, Product = AVERAGE, SUM, ADASUM_OP, MIN, MAX, PRODUCT
@@ -692,7 +693,7 @@ def allreduce_async(
     t = _array(tensor, "allreduce")
     return submit_allreduce(
         [t],
-        [np.empty_like(t)],
+        [_POOL.empty(t.shape, t.dtype)],
         name=name,
         op=op,
         prescale_factor=prescale_factor,
@@ -781,7 +782,7 @@ def grouped_allreduce_async(
     ts = [_array(t, "grouped_allreduce") for t in tensors]
     return submit_allreduce(
         ts,
-        [np.empty_like(t) for t in ts],
+        [_POOL.empty(t.shape, t.dtype) for t in ts],
         name=name,
         op=op,
         prescale_factor=prescale_factor,
@@ -903,7 +904,9 @@ def broadcast_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     t = _array(tensor, "broadcast")
-    return submit_broadcast(t, np.empty_like(t), root_rank, name=name, process_set=process_set)
+    return submit_broadcast(
+        t, _POOL.empty(t.shape, t.dtype), root_rank, name=name, process_set=process_set
+    )
 
 
 def broadcast(

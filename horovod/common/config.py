@@ -207,8 +207,16 @@ class Config:
     spin_microseconds: float = _knob(
         "HOROVOD_SPIN_MICROSECONDS",
         100.0,
-        "How long a rank waiting on a same-host peer polls shared memory before it sleeps "
-        "until woken (0: sleep at once).",
+        "Shared-memory jobs: how long a waiting rank polls (for a peer's data, or for the "
+        "result a thread waits for while it runs the engine) before it sleeps until woken "
+        "(0: sleep at once). Polls yield the CPU when ranks outnumber cores.",
+        minimum=0,
+    )
+    output_pool_bytes: int = _knob(
+        "HOROVOD_OUTPUT_POOL_BYTES",
+        256 * 1024 * 1024,
+        "NumPy API: outputs of 1 MiB and more are reused from a pool of at most this many bytes "
+        "once no view of them is alive (saves the page faults of fresh memory); 0 disables it.",
         minimum=0,
     )
     ring_threshold_bytes: int = _knob(

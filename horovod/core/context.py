@@ -28,6 +28,7 @@ from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.core import pool
 from horovod.core.autotune import Autotuner, Params
 from horovod.core.engine import Engine, Handle
 from horovod.core.messages import decode, encode
@@ -298,6 +299,7 @@ class Context:
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
             alg.SMALL_BYTES = cfg.ring_threshold_bytes
+            pool.POOL.capacity = cfg.output_pool_bytes if pool._refcounts_are_exact() else 0
             if spec is None and cfg.size > 1 and cfg.shared_memory:
                 transport = self._with_shared_memory(cfg, store, scope, transport)
             # Ranks on rank 0's host whose stacks can be dumped with SIGUSR1 (faulthandler),

@@ -40,7 +40,7 @@ import numpy as np
 from horovod.common.dtypes import DTYPE_OF_CODE, NAME_OF_CODE
 from horovod.common.exceptions import HorovodInternalError, TransportError, shutdown_message
 from horovod.common.log import logger
-from horovod.core import ops
+from horovod.core import ops, pool
 from horovod.core.autotune import Autotuner
 from horovod.core.cache import ResponseCache
 from horovod.core.diagnose import (
@@ -178,7 +178,7 @@ class Entry:
 
 
 def _np_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    return np.empty(shape, dtype)
+    return pool.POOL.empty(shape, dtype)
 
 
 class SetState:
