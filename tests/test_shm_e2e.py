@@ -138,3 +138,34 @@ def test_killed_during_setup_segments_are_removed_by_horovodrun(monkeypatch):
     out = run_script(script, timeout=60, env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "5"})
     assert out.returncode != 0
     assert _ours() - before == set()
+
+
+def test_interrupting_a_thread_that_runs_the_engine_fails_collectives_cleanly():
+    """Ctrl-C (or any BaseException) in a thread that is running the engine may leave a
+    collective half done: every rank's later collectives fail, none hangs."""
+    script = """
+        import signal, time, numpy as np, horovod.numpy as hvd
+        hvd.init()
+        hvd.allreduce(np.ones(4), name="warm")
+        if hvd.rank() == 1:
+            def boom(*_):
+                raise KeyboardInterrupt
+            signal.signal(signal.SIGALRM, boom)
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            try:
+                hvd.allreduce(np.ones(4), name="x")  # rank 0 is 2 s late: we spin meanwhile
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+        else:
+            time.sleep(2)
+        try:
+            hvd.allreduce(np.ones(4), name="y")
+            print("rank", hvd.rank(), "no error", flush=True)
+        except hvd.HorovodInternalError as e:
+            print("rank", hvd.rank(), "failed:", str(e).splitlines()[0], flush=True)
+    """
+    out = run_script(script, env={"HOROVOD_SPIN_MICROSECONDS": "5000000"}, timeout=60)
+    text = out.stdout + out.stderr
+    assert "interrupted" in out.stdout, text
+    assert "no error" not in out.stdout, text
+    assert out.stdout.count("failed:") == 2 and "was interrupted (KeyboardInterrupt)" in text, text

@@ -123,6 +123,29 @@ def test_every_pair_exchanges_messages_of_every_length_in_order(kind, n):
         _close(ts)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_many_one_slot_messages_per_pair_keep_their_order(kind, n):
+    """More single-slot messages to each peer than there are slots (the shared-memory small-
+    message path): they queue, block and arrive in order."""
+    ts = _make(kind, n)
+    try:
+
+        def fn(r, t):
+            peers = [p for p in range(n) if p != r]
+            sends, got = [], {}
+            for p in peers:
+                for i in range(9):
+                    sends.append((p, memoryview(np.full(CHUNK - i, i * 16 + r, np.uint8))))
+                    got[(p, i)] = np.empty(CHUNK - i, np.uint8)
+            recvs = [(p, memoryview(got[(p, i)])) for p in peers for i in range(9)]
+            t.exchange(sends, recvs)
+            return all((b == i * 16 + p).all() for (p, i), b in got.items())
+
+        assert all(_run(ts, fn))
+    finally:
+        _close(ts)
+
+
 def test_exchange_reduce_combines_on_arrival(kind):
     ts = _make(kind, 2)
     try:

@@ -542,6 +542,12 @@ class Engine:
         except Exception as e:
             logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
             self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: possibly mid-collective
+            self._abort(
+                f"rank {self.rank} was interrupted ({type(e).__name__}) while running a "
+                "collective; its collectives cannot continue"
+            )
+            raise
         finally:
             done = handle.done()
             # Done: this thread is probably back soon (a loop of synchronous calls), so the

@@ -365,7 +365,64 @@ class ShmTransport(Transport):
 
     # ---------------------------------------------------------------- data plane
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        chunk, out, inc = self.chunk, self._out, self._in
+        for peer, mv in sends:
+            if mv.nbytes > chunk or peer not in out:
+                break
+        else:
+            for peer, mv in recvs:
+                if mv.nbytes > chunk or peer not in inc:
+                    break
+            else:
+                self._exchange_small(sends, recvs)
+                return
         self.exchange_reduce(sends, recvs, ())
+
+    def _exchange_small(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        """Every message fits one slot and every peer shares this host (small collectives):
+        the same protocol as ``exchange_reduce`` without its per-message bookkeeping."""
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        nslots = self.nslots
+        outs = [(p, self._out[p], mv) for p, mv in sends if mv.nbytes]
+        ins = [(p, self._in[p], mv) for p, mv in recvs if mv.nbytes]
+        while outs or ins:
+            touched: set[int] = set()
+            if outs:
+                left = []
+                blocked: set[int] = set()
+                for item in outs:  # in order: a blocked message blocks the later ones to its peer
+                    peer, ch, mv = item
+                    if peer not in blocked and ch.count - ch.rd[0] < nslots:
+                        ch.slots[ch.count % nslots][: mv.nbytes] = mv.cast("B")
+                        ch.count += 1
+                        _order()
+                        ch.wr[0] = ch.count
+                        touched.add(peer)
+                    else:
+                        blocked.add(peer)
+                        left.append(item)
+                outs = left
+            if ins:
+                left = []
+                blocked = set()
+                for item in ins:
+                    peer, ch, mv = item
+                    if peer not in blocked and ch.count < ch.wr[0]:
+                        _order()
+                        mv.cast("B")[:] = ch.slots[ch.count % nslots][: mv.nbytes]
+                        ch.count += 1
+                        _order()
+                        ch.rd[0] = ch.count
+                        touched.add(peer)
+                    else:
+                        blocked.add(peer)
+                        left.append(item)
+                ins = left
+            for peer in touched:
+                self._wake(peer)
+            if not touched and (outs or ins):
+                self._wait({p: None for p, _, _ in outs}, {p: None for p, _, _ in ins}, {}, {})
 
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
