@@ -238,6 +238,7 @@ def waited() -> Any:
 
 
 _INTERNAL: dict[str, bool] = {}  # code file name -> part of this package (memoized)
+_SITES: dict[tuple[Any, int], str] = {}  # (code, line) -> "file.py:42 in fn" (memoized)
 
 
 def _callsite() -> str:
@@ -253,7 +254,15 @@ def _callsite() -> str:
         f = f.f_back  # type: ignore[assignment]
     if f is None:
         return ""
-    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+    key = (f.f_code, f.f_lineno)
+    site = _SITES.get(key)
+    if site is None:
+        if len(_SITES) > 4096:
+            _SITES.clear()
+        site = _SITES[key] = (
+            f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        )
+    return site
 
 
 def _array(tensor: Any, what: str) -> np.ndarray:
