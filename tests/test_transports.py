@@ -321,6 +321,36 @@ def test_very_large_message_through_default_slots():
         _close(ts)
 
 
+def _create(hosts: list[str]) -> list:
+    """Ranks on the given host names, built as hvd.init() does (``ShmTransport.create``)."""
+    n = len(hosts)
+    store = MemoryStore()
+    out: list = [None] * n
+
+    def build(r):
+        t = TcpTransport(
+            r, n, store=store, scope="s", secret=SECRET, advertise="127.0.0.1", timeout=10
+        )
+        out[r] = ShmTransport.create(
+            t,
+            hosts,
+            store=store,
+            scope="s",
+            secret=SECRET,
+            chunk=CHUNK,
+            slots=2,
+            spin_us=20,
+            timeout=10,
+        )
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    return out
+
+
 def test_ranks_agree_to_use_tcp_when_one_cannot_set_up_shared_memory(monkeypatch, caplog):
     original = ShmTransport._create_segment
 
@@ -330,30 +360,7 @@ def test_ranks_agree_to_use_tcp_when_one_cannot_set_up_shared_memory(monkeypatch
         return original(self, name)
 
     monkeypatch.setattr(ShmTransport, "_create_segment", flaky)
-    store = MemoryStore()
-    out: list = [None] * 2
-
-    def build(r):
-        t = TcpTransport(
-            r, 2, store=store, scope="s", secret=SECRET, advertise="127.0.0.1", timeout=10
-        )
-        out[r] = ShmTransport.create(
-            t,
-            ["h", "h"],
-            store=store,
-            scope="s",
-            secret=SECRET,
-            chunk=CHUNK,
-            slots=2,
-            spin_us=0,
-            timeout=10,
-        )
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(20)
+    out = _create(["h", "h"])
     try:
         assert all(isinstance(t, TcpTransport) for t in out)
         assert "simulated" in caplog.text and "use TCP" in caplog.text
@@ -370,31 +377,7 @@ def test_ranks_agree_to_use_tcp_when_one_cannot_set_up_shared_memory(monkeypatch
 
 
 def test_only_ranks_on_the_same_host_share_memory():
-    store = MemoryStore()
-    out: list = [None] * 4
-    hosts = ["a", "a", "b", "b"]
-
-    def build(r):
-        t = TcpTransport(
-            r, 4, store=store, scope="s", secret=SECRET, advertise="127.0.0.1", timeout=10
-        )
-        out[r] = ShmTransport.create(
-            t,
-            hosts,
-            store=store,
-            scope="s",
-            secret=SECRET,
-            chunk=CHUNK,
-            slots=2,
-            spin_us=20,
-            timeout=10,
-        )
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(20)
+    out = _create(["a", "a", "b", "b"])
     try:
         assert [t.peers for t in out] == [[1], [0], [3], [2]]
 
