@@ -40,9 +40,9 @@ def parse_size(text: str) -> int:
 
 
 def iterations(nbytes: int, budget_s: float) -> int:
-    """More repetitions for small messages; at least 5 for 64 MiB."""
+    """More repetitions for small messages; at least 9 for 64 MiB."""
     est = 2e-4 + nbytes / 2e8  # a pessimistic guess of one op's time
-    return int(max(5, min(300, budget_s / est)))
+    return int(max(9, min(300, budget_s / est)))
 
 
 # ---------------------------------------------------------------------------- workers
