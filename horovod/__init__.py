@@ -5,3 +5,7 @@ Framework packages: ``horovod.numpy`` (framework-free reference API) and, as the
 """
 
 __version__ = "0.1.0"
+
+from horovod.runner.run_func import run  # noqa: E402  (upstream's horovod.run)
+
+__all__ = ["__version__", "run"]

@@ -1,2 +1,6 @@
 """The launcher side: ``horovodrun`` (``horovod.runner.launch``), host parsing and placement,
-worker processes. It never imports the training runtime."""
+worker processes, and ``horovod.run`` (``run``). It never imports the training runtime."""
+
+from horovod.runner.run_func import RemoteTraceback, run
+
+__all__ = ["RemoteTraceback", "run"]

@@ -1,0 +1,137 @@
+"""``horovod.run``: run a Python function on every rank and collect what it returns.
+
+The function and its arguments are cloudpickled into a private temporary directory; horovodrun
+starts ``python -m horovod.runner.run_task`` on every slot; each rank calls the function and
+writes its result back. The caller gets the list of return values in rank order, or the first
+failure re-raised: the rank's own exception, chained to a ``RemoteTraceback`` that carries the
+rank's traceback text (as ``concurrent.futures`` does for process pools).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cloudpickle
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on a rank of ``horovod.run``."""
+
+    def __init__(self, rank: int, text: str) -> None:
+        super().__init__(f"rank {rank} raised:\n{text}")
+        self.rank = rank
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def run(
+    func: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    start_timeout: float | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    disable_cache: bool | None = None,
+    output_filename: str | None = None,
+    verbose: bool | None = None,
+    use_gloo: bool | None = None,
+    use_mpi: bool | None = None,
+    mpi_args: str | None = None,
+    network_interfaces: str | Sequence[str] | None = None,
+    executable: str | None = None,
+    np: int | None = None,
+    network_interface: str | None = None,
+    **elastic: Any,
+) -> list[Any]:
+    """Run ``func(*args, **kwargs)`` on ``num_proc`` ranks (``hosts``/``hostfile`` as for
+    horovodrun, default all on this host) and return the values in rank order."""
+    if np is not None:
+        warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)
+        num_proc = num_proc if num_proc is not None else np
+    if network_interface is not None:
+        warnings.warn(
+            "network_interface is deprecated, use network_interfaces",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        network_interfaces = network_interfaces or network_interface
+    if hosts and hostfile:
+        raise ValueError("Argument hosts and hostfile only allow one provided.")
+    if use_gloo and use_mpi:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    if use_mpi or mpi_args:
+        raise ValueError("use_mpi/mpi_args: MPI is not available in this build; leave them unset")
+    unsupported = sorted(k for k, v in elastic.items() if v is not None)
+    if unsupported:
+        raise TypeError(
+            f"horovod.run: {', '.join(unsupported)} not supported yet (elastic runs and host "
+            "discovery are not implemented in this version)"
+        )
+    if ssh_port is not None or ssh_identity_file is not None:
+        raise ValueError(
+            "horovod.run: ssh_port/ssh_identity_file need the multi-host launcher, which this "
+            "version does not have yet (all ranks run on this host)"
+        )
+    if num_proc is None:
+        num_proc = 1
+    if not callable(func):
+        raise TypeError(f"horovod.run: func must be callable, got {type(func).__name__}")
+    job_dir = tempfile.mkdtemp(prefix="hvdrun-")  # 0700: only this user reads the function
+    try:
+        with open(os.path.join(job_dir, "func.pkl"), "wb") as f:
+            cloudpickle.dump((func, tuple(args), dict(kwargs or {})), f)
+        argv = ["-np", str(num_proc)]
+        if hosts:
+            argv += ["-H", hosts]
+        if hostfile:
+            argv += ["-hostfile", hostfile]
+        if start_timeout is not None:
+            argv += ["--start-timeout", str(int(start_timeout))]
+        if output_filename:
+            argv += ["--output-filename", output_filename]
+        if verbose:
+            argv += ["--verbose"]
+        if network_interfaces:
+            nics = network_interfaces
+            argv += ["--network-interfaces", nics if isinstance(nics, str) else ",".join(nics)]
+        argv += [executable or sys.executable, "-m", "horovod.runner.run_task", job_dir]
+        from horovod.runner.launch import main
+
+        status = main(argv)
+        return _collect(job_dir, num_proc, status)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def _collect(job_dir: str, n: int, status: int) -> list[Any]:
+    results: dict[int, tuple] = {}
+    for rank in range(n):
+        path = os.path.join(job_dir, f"result.{rank}")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                results[rank] = cloudpickle.load(f)
+    errors = sorted(
+        ((r[3], rank, r[1], r[2]) for rank, r in results.items() if r[0] == "error"),
+        key=lambda e: (e[0], e[1]),
+    )
+    if errors:
+        _, rank, exc, tb = errors[0]
+        raise exc from RemoteTraceback(rank, tb)
+    missing = [rank for rank in range(n) if rank not in results]
+    if status != 0 or missing:
+        raise RuntimeError(
+            f"horovod.run: the job failed (exit status {status}); ranks {missing} returned "
+            "nothing (see horovodrun's report above)"
+        )
+    return [results[rank][1] for rank in range(n)]

@@ -1,0 +1,92 @@
+"""horovod.run: a Python function on every rank, results by rank, the first failure re-raised."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+import horovod
+from horovod.runner import RemoteTraceback
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def _importable(monkeypatch):
+    """Workers must import this checkout (and this test module, for by-reference pickles)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    repo = os.path.dirname(here)
+    path = os.pathsep.join([repo, here, os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+
+
+def _allreduce_rank(scale):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    total = hvd.allreduce(np.array([hvd.rank() * scale]), op=hvd.Sum, name="t")
+    return (hvd.rank(), hvd.size(), float(total[0]))
+
+
+def test_returns_every_ranks_value_in_rank_order():
+    out = horovod.run(_allreduce_rank, args=(10,), num_proc=3)
+    assert out == [(0, 3, 30.0), (1, 3, 30.0), (2, 3, 30.0)]
+
+
+def test_kwargs_closures_and_hosts():
+    base = 5
+    out = horovod.run(
+        lambda k: base + k + int(os.environ["HOROVOD_RANK"]),
+        kwargs={"k": 1},
+        num_proc=2,
+        hosts="localhost:2",
+    )
+    assert out == [6, 7]
+
+
+class Boom(ValueError):
+    pass
+
+
+def _fail_on_rank_1():
+    import time
+
+    if int(os.environ["HOROVOD_RANK"]) == 1:
+        raise Boom("bad input on rank 1")
+    time.sleep(30)  # stopped by horovodrun when rank 1 fails
+    return "never"
+
+
+def test_first_failure_is_reraised_with_the_ranks_traceback(capfd):
+    with pytest.raises(Boom, match="bad input on rank 1") as info:
+        horovod.run(_fail_on_rank_1, num_proc=2)
+    cause = info.value.__cause__
+    assert isinstance(cause, RemoteTraceback) and cause.rank == 1
+    assert "_fail_on_rank_1" in cause.text and "raise Boom" in cause.text
+
+
+def test_a_rank_that_dies_without_an_exception_is_reported():
+    def die():
+        if int(os.environ["HOROVOD_RANK"]) == 0:
+            os._exit(3)
+        return 1
+
+    with pytest.raises(RuntimeError, match=r"exit status 3\); ranks \[0.*\] returned nothing"):
+        horovod.run(die, num_proc=2)
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="hosts and hostfile"):
+        horovod.run(print, hosts="localhost:1", hostfile="h")
+    with pytest.raises(ValueError, match="use_gloo and use_mpi"):
+        horovod.run(print, use_gloo=True, use_mpi=True)
+    with pytest.raises(TypeError, match="min_num_proc"):
+        horovod.run(print, min_num_proc=1)
+    with pytest.raises(TypeError, match="callable"):
+        horovod.run(42)
+    with pytest.warns(DeprecationWarning, match="num_proc"):
+        assert horovod.run(lambda: sys.version_info[0], np=1) == [3]
