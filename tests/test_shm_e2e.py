@@ -120,7 +120,7 @@ def test_killed_rank_leaves_no_shared_memory_and_the_others_stop():
     assert _ours() - before == set()
 
 
-def test_killed_during_setup_segments_are_removed_by_horovodrun(monkeypatch):
+def test_killed_during_setup_segments_are_removed_by_horovodrun():
     """A rank that dies between creating its segment and unlinking it leaves the file; the
     launcher removes the job's segments when the job ends."""
     before = _ours()
@@ -128,7 +128,6 @@ def test_killed_during_setup_segments_are_removed_by_horovodrun(monkeypatch):
         import os, signal
         import horovod.transport.shm as shm
         if os.environ["HOROVOD_RANK"] == "1":
-            orig = shm.ShmTransport._map_peer
             def die(self, r, name):
                 os.kill(os.getpid(), signal.SIGKILL)
             shm.ShmTransport._map_peer = die

@@ -285,7 +285,7 @@ class Config:
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> ConfigError:
-            return ConfigError(f"{_env_of(name)}={getattr(self, name)!r}: {why}")
+            return ConfigError(f"{env_of(name)}={getattr(self, name)!r}: {why}")
 
         if self.rank >= self.size:
             raise bad("rank", f"must be smaller than HOROVOD_SIZE={self.size}")
@@ -304,7 +304,7 @@ class Config:
         return self.log_level.upper()
 
 
-def _env_of(name: str) -> str:
+def env_of(name: str) -> str:
     return {f.name: f.metadata["env"] for f in dataclasses.fields(Config)}[name]
 
 

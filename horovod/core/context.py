@@ -237,10 +237,10 @@ def _register_stack_dump() -> bool:
 
 def _data_plane_settings(cfg: Config) -> list[tuple[str, object]]:
     """Settings that every rank must share, or collectives would not match up."""
-    from horovod.common.config import _env_of as env_name
+    from horovod.common.config import env_of
 
     return [
-        (env_name(k), getattr(cfg, k))
+        (env_of(k), getattr(cfg, k))
         for k in ("ring_threshold_bytes", "shared_memory", "shm_chunk_bytes", "shm_slots")
     ]
 

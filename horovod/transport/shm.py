@@ -251,7 +251,7 @@ class ShmTransport(Transport):
     def _chan_bytes(self) -> int:
         return PAGE + self.nslots * self.chunk
 
-    def _seg_bytes(self, owner: int) -> int:
+    def _seg_bytes(self) -> int:
         return PAGE + (len(self.local) - 1) * (self._chan_bytes() + PAGE + RING)
 
     def _setup(self, store: Store, scope: str, secret: bytes, timeout: float) -> None:
@@ -292,7 +292,7 @@ class ShmTransport(Transport):
 
     def _create_segment(self, name: str) -> str:
         d = shm_dir()
-        need = self._seg_bytes(self.rank)
+        need = self._seg_bytes()
         st = os.statvfs(d)
         # Leave room for the other ranks of this host too: each needs about as much.
         if st.f_bavail * st.f_frsize < need * len(self.local):
@@ -333,9 +333,9 @@ class ShmTransport(Transport):
         fd = os.open(os.path.join(d, name), os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            if size != self._seg_bytes(r):
+            if size != self._seg_bytes():
                 raise OSError(
-                    f"segment of rank {r} has {size} bytes, expected {self._seg_bytes(r)}: "
+                    f"segment of rank {r} has {size} bytes, expected {self._seg_bytes()}: "
                     "HOROVOD_SHM_CHUNK_BYTES / HOROVOD_SHM_SLOTS differ between ranks"
                 )
             self._maps[r] = mmap.mmap(fd, size)
