@@ -23,10 +23,12 @@ def job_id(secret: bytes) -> str:
     return hashlib.sha256(b"pyhorovod-shm" + secret).hexdigest()[:12]
 
 
-def cleanup_job(secret: bytes) -> list[str]:
-    """Remove segments of this job that a rank created but did not unlink (it died during
-    set-up). Returns the paths removed."""
+def cleanup_job(secret: bytes, rank: int | None = None) -> list[str]:
+    """Remove segments of this job (of one ``rank`` only, if given) that a rank created but did
+    not unlink (it died during set-up). Returns the paths removed."""
     d, prefix = shm_dir(), f"{PREFIX}{job_id(secret)}-"
+    if rank is not None:
+        prefix += f"{rank}-"
     removed: list[str] = []
     try:
         names = os.listdir(d)

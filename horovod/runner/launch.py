@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import sys
@@ -24,11 +23,9 @@ from horovod import __version__
 from horovod.common.config import LOG_LEVELS
 from horovod.common.secret import make_secret
 from horovod.rendezvous.server import RendezvousServer
+from horovod.runner import ssh
 from horovod.runner.hosts import assign_slots, is_local, parse_hostfile, parse_hosts
-from horovod.runner.procs import Job
-
-# Names never copied from the launcher's environment into workers (upstream's rule).
-_NOT_EXPORTED = re.compile(r"^(BASH_FUNC_.*|OLDPWD|.*CUDA_VISIBLE_DEVICES|HOROVOD_SECRET_KEY)$")
+from horovod.runner.procs import Command, Job
 
 
 def _nonneg(kind: type):
@@ -42,6 +39,16 @@ def _nonneg(kind: type):
         return v
 
     return parse
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 < v < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number (1-65535)")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="prefix each output line with the time",
     )
+    sp = p.add_argument_group("ssh (hosts other than this one)")
+    sp.add_argument("-p", "--ssh-port", type=_port, help="ssh port on all hosts")
+    sp.add_argument("-i", "--ssh-identity-file", help="ssh private key file")
     hosts = p.add_mutually_exclusive_group()
     hosts.add_argument("-H", "--hosts", help="host1:slots,host2:slots (default localhost:NP)")
     hosts.add_argument("-hostfile", "--hostfile", help="file of lines '<host> slots=<n>'")
@@ -132,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--network-interfaces",
         "--network-interface",
         dest="nics",
-        help="interface the workers listen on (e.g. lo, eth0)",
+        action="append",
+        help="interfaces for the job's traffic, comma-separated or repeated (e.g. eth0); each "
+        "host uses the first of them it has. Default: the interface each host routes to the "
+        "launcher through",
     )
     lib.add_argument("--mpi-threads-disable", action="store_true", default=None)
     lib.add_argument("--num-nccl-streams", type=_nonneg(int))
@@ -258,22 +271,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         slots = assign_slots(hosts, a.np)
     except (OSError, ValueError) as e:
         return _error(str(e))
-    remote = sorted({s.hostname for s in slots if not is_local(s.hostname)})
-    if remote:
-        return _error(
-            f"host(s) {', '.join(remote)} are not this machine; this version runs "
-            "jobs on the local host only (use -H localhost:N)"
-        )
-    if shutil.which(command[0]) is None and not os.path.exists(command[0]):
+    nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
+    remote = list(dict.fromkeys(s.hostname for s in slots if not is_local(s.hostname)))
+    runs_here = any(s.hostname not in remote for s in slots)
+    if runs_here and shutil.which(command[0]) is None and not os.path.exists(command[0]):
         return _error(f"command not found: {command[0]}")
+    addr = "127.0.0.1"
+    if remote:
+        unreachable = ssh.check_reachable(remote, port=a.ssh_port, identity=a.ssh_identity_file)
+        if unreachable:
+            return _error(
+                "cannot start workers over ssh on "
+                + "; ".join(f"{h}: {why}" for h, why in unreachable.items())
+                + " (horovodrun needs password-less ssh to every host: see -p/--ssh-port, "
+                "-i/--ssh-identity-file and docs/multi-host.md)"
+            )
+        try:
+            addr = ssh.launcher_address(remote, nics)
+        except (OSError, ValueError) as e:
+            return _error(f"cannot choose the address workers reach the launcher at: {e}")
 
     secret = make_secret()
-    server = RendezvousServer(bytes.fromhex(secret), host="127.0.0.1").start()
-    base = {k: v for k, v in os.environ.items() if not _NOT_EXPORTED.match(k)}
+    server = RendezvousServer(
+        bytes.fromhex(secret), host="0.0.0.0" if remote else "127.0.0.1"
+    ).start()
+    base = ssh.exportable(os.environ)
     base.update(env_from_args(a))
     base.update(
         {
-            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
@@ -281,19 +307,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             "PYTHONUNBUFFERED": "1",
         }
     )
-    if a.nics:
-        base["HOROVOD_GLOO_IFACE"] = a.nics.split(",")[0]
+    if nics:
+        base["HOROVOD_GLOO_IFACE"] = ",".join(nics)
+        base["NCCL_SOCKET_IFNAME"] = ",".join(nics)
+    keepalive = float(os.environ.get("HOROVOD_SSH_KEEPALIVE_SECONDS") or 5.0)
+    supervisor = ssh.supervisor_command()
+    here = ssh.cwd()
     commands = []
     for s in slots:
         env = dict(base)
         env.update(s.env())
-        commands.append((s.rank, s.hostname, command, env))
+        if s.hostname in remote:
+            argv = ssh.ssh_command(
+                s.hostname,
+                supervisor,
+                port=a.ssh_port,
+                identity=a.ssh_identity_file,
+                keepalive_seconds=keepalive,
+            )
+            commands.append(
+                Command(s.rank, s.hostname, argv, dict(os.environ), ssh.payload(command, env, here))
+            )
+        else:
+            commands.append(Command(s.rank, s.hostname, command, env))
     if a.verbose:
         print(
             f"horovodrun: {a.np} processes on {', '.join(f'{h.hostname}:{h.slots}' for h in hosts)}"
-            f"; rendezvous on 127.0.0.1:{server.port}; command: {' '.join(command)}",
+            f"; rendezvous on {addr}:{server.port}; command: {' '.join(command)}",
             file=sys.stderr,
         )
+        for c in commands:
+            if c.stdin is not None:
+                print(f"horovodrun: rank {c.rank}: {' '.join(c.argv)}", file=sys.stderr)
 
     def failure_note(rank: int) -> tuple[str, str] | None:
         raw = server.get("job", f"failure.{rank}")

@@ -34,10 +34,24 @@ def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork a
 
 
 @dataclass
+class Command:
+    """One worker to start: ``argv`` with ``env``; ``stdin`` (remote workers: the supervisor's
+    payload) is written to the process's standard input, which then stays open: closing it is
+    how the job stops a remote worker."""
+
+    rank: int
+    host: str
+    argv: list[str]
+    env: dict[str, str]
+    stdin: bytes | None = None
+
+
+@dataclass
 class Worker:
     rank: int
     host: str
     proc: subprocess.Popen
+    remote: bool = False
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
     exit_code: int | None = None
     exit_time: float = 0.0
@@ -116,7 +130,14 @@ def _forward(w: Worker, pipe: BinaryIO, stream: str, sink: OutputSink, size: int
     pipe.close()
 
 
-def exit_description(code: int) -> str:
+def exit_description(code: int, remote: bool = False) -> str:
+    if remote and code == 255:
+        return "lost its ssh connection, or ssh could not reach the host (ssh exit code 255)"
+    if remote and code == 127:
+        return (
+            "could not start on the host (exit code 127: the command or pyhorovod's Python "
+            "interpreter is not at the same path there)"
+        )
     if code > 128 and code - 128 in signal.Signals._value2member_map_:
         return f"was killed by signal {signal.Signals(code - 128).name} (exit code {code})"
     return f"exited with code {code}"
@@ -127,7 +148,7 @@ class Job:
 
     def __init__(
         self,
-        commands: Sequence[tuple[int, str, list[str], dict[str, str]]],
+        commands: Sequence[Command],
         *,
         timestamp: bool = False,
         output_dir: str | None = None,
@@ -147,12 +168,13 @@ class Job:
 
     def start(self) -> None:
         size = len(self.commands)
-        for rank, host, argv, env in self.commands:
+        for c in self.commands:
+            rank, argv = c.rank, c.argv
             try:
                 proc = subprocess.Popen(
                     argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
+                    env=c.env,
+                    stdin=subprocess.DEVNULL if c.stdin is None else subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     start_new_session=True,
@@ -163,8 +185,14 @@ class Job:
                 raise RuntimeError(
                     f"horovodrun: cannot start rank {rank}: {argv[0]}: {e.strerror or e}"
                 ) from None
-            w = Worker(rank, host, proc)
+            w = Worker(rank, c.host, proc, remote=c.stdin is not None)
             self.workers.append(w)
+            if c.stdin is not None and proc.stdin is not None:
+                try:
+                    proc.stdin.write(c.stdin)
+                    proc.stdin.flush()
+                except OSError:
+                    pass  # ssh already failed: its exit status and output say why
             for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
                 t = threading.Thread(
                     target=_forward,
@@ -223,15 +251,27 @@ class Job:
         targets = [w for w in self.workers if w.rank != except_rank and w.proc.poll() is None]
         for w in targets:
             w.stopped_by_us = True
-            _signal_group(w.proc.pid, signal.SIGTERM)
+            if w.remote and w.proc.stdin is not None:
+                # End of input tells the remote supervisor to stop the worker (SIGTERM, then
+                # SIGKILL); ssh keeps forwarding its last output meanwhile.
+                try:
+                    w.proc.stdin.close()
+                except OSError:
+                    _signal_group(w.proc.pid, signal.SIGTERM)
+            else:
+                _signal_group(w.proc.pid, signal.SIGTERM)
 
         def _kill_later() -> None:
-            deadline = time.monotonic() + self.grace
-            while time.monotonic() < deadline and any(w.proc.poll() is None for w in targets):
+            # A remote supervisor applies the grace period itself; its ssh gets a little longer
+            # to bring the worker's last words home.
+            start = time.monotonic()
+            deadline = {w.rank: start + self.grace + (3.0 if w.remote else 0.0) for w in targets}
+            while any(w.proc.poll() is None for w in targets):
+                now = time.monotonic()
+                for w in targets:
+                    if now >= deadline[w.rank] and w.proc.poll() is None:
+                        _signal_group(w.proc.pid, signal.SIGKILL)
                 time.sleep(0.05)
-            for w in targets:
-                if w.proc.poll() is None:
-                    _signal_group(w.proc.pid, signal.SIGKILL)
 
         threading.Thread(target=_kill_later, daemon=True, name="killer").start()
 
@@ -266,7 +306,7 @@ class Job:
             elif w.exit_code:
                 why = f" ({note[1]})" if note and note[0] == "root" else ""
                 lines.append(
-                    f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code)}{why} "
+                    f"  rank {w.rank} ({w.host}): {exit_description(w.exit_code, w.remote)}{why} "
                     f"after rank {f.rank} failed"
                 )
             else:
@@ -278,7 +318,7 @@ class Job:
             lines.extend(f"  {t}" for t in diagnosis.splitlines())
             return "\n".join(lines)
         if note and note[0] == "root":
-            how = exit_description(f.exit_code or 1)
+            how = exit_description(f.exit_code or 1, f.remote)
             if f.stopped_by_us:
                 how = "was stopped by horovodrun while shutting down"
             lines.append(
@@ -288,7 +328,7 @@ class Job:
         else:
             lines.append(
                 f"Root cause: rank {f.rank} on host {f.host} "
-                f"{exit_description(f.exit_code or 1)} at {when}, first of all ranks."
+                f"{exit_description(f.exit_code or 1, f.remote)} at {when}, first of all ranks."
             )
         if f.tail:
             lines.append(f"Last lines of rank {f.rank}'s output:")

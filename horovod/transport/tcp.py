@@ -70,14 +70,18 @@ def local_address_towards(addr: str) -> str:
 
 
 def interface_address(iface: str) -> str:
+    """The IPv4 address of the first interface of the comma-separated ``iface`` list that has
+    one on this host (horovodrun's ``--network-interfaces eth0,ib0``)."""
     import psutil
 
-    for a in psutil.net_if_addrs().get(iface, []):
-        if a.family == socket.AF_INET:
-            return a.address
+    have = psutil.net_if_addrs()
+    for name in (n.strip() for n in iface.split(",")):
+        for a in have.get(name, []):
+            if a.family == socket.AF_INET:
+                return a.address
     raise TransportError(
-        f"HOROVOD_GLOO_IFACE={iface!r} has no IPv4 address on this host; "
-        f"interfaces here: {', '.join(sorted(psutil.net_if_addrs()))}"
+        f"HOROVOD_GLOO_IFACE={iface!r}: no such interface with an IPv4 address on this host; "
+        f"interfaces here: {', '.join(sorted(have))}"
     )
 
 
