@@ -47,8 +47,9 @@ def unavailable() -> str | None:
 class TestNetwork:
     __test__ = False  # not a pytest class
 
-    def __init__(self, hosts: list[str]) -> None:
+    def __init__(self, hosts: list[str], without_sshd: tuple[str, ...] = ()) -> None:
         self.hosts = hosts
+        self.without_sshd = without_sshd
         tag = f"{os.getpid() % 100000}"
         self.switch = f"hvd{tag}sw"
         self.ns = {h: f"hvd{tag}h{i}" for i, h in enumerate(hosts)}
@@ -74,7 +75,18 @@ class TestNetwork:
             ns = self.ns[h]
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("link", "add", f"hvd{os.getpid() % 100000}v{i}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip(
+                "link",
+                "add",
+                f"hvd{os.getpid() % 100000}v{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             port = f"hvd{os.getpid() % 100000}v{i}"
             _ip("link", "set", port, "netns", self.switch)
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
@@ -93,9 +105,7 @@ class TestNetwork:
             capture_output=True,
         )
         shutil.copy(self.key + ".pub", os.path.join(self.dir, "authorized_keys"))
-        hosts_file = "127.0.0.1 localhost\n" + "".join(
-            f"{self.addr[h]} {h}\n" for h in self.hosts
-        )
+        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{self.addr[h]} {h}\n" for h in self.hosts)
         for h in self.hosts:
             etc = f"/etc/netns/{self.ns[h]}"
             self._etc.append(etc)
@@ -111,7 +121,8 @@ class TestNetwork:
         if not os.path.isdir("/run/sshd"):
             os.makedirs("/run/sshd", mode=0o755)
             self._made_run_sshd = True
-        for h in self.hosts:
+        served = [h for h in self.hosts if h not in self.without_sshd]
+        for h in served:
             cfg = os.path.join(self.dir, f"sshd_{h}.conf")
             with open(cfg, "w") as f:
                 f.write(
@@ -121,15 +132,16 @@ class TestNetwork:
                     f"StrictModes no\nPidFile {self.dir}/sshd_{h}.pid\nClientAliveInterval 1\n"
                     "ClientAliveCountMax 3\nMaxStartups 100\nMaxSessions 100\nLogLevel ERROR\n"
                 )
-            self.sshd[h] = subprocess.Popen(
-                ["ip", "netns", "exec", self.ns[h], SSHD, "-D", "-e", "-f", cfg],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=open(os.path.join(self.dir, f"sshd_{h}.log"), "w"),  # noqa: SIM115
-                start_new_session=True,
-            )
+            with open(os.path.join(self.dir, f"sshd_{h}.log"), "w") as log:
+                self.sshd[h] = subprocess.Popen(
+                    ["ip", "netns", "exec", self.ns[h], SSHD, "-D", "-e", "-f", cfg],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                    start_new_session=True,
+                )
         deadline = time.monotonic() + 15
-        for h in self.hosts:
+        for h in served:
             while True:
                 r = self.exec(self.hosts[0], ["ssh", *self.ssh_args(), h, "true"], timeout=15)
                 if r.returncode == 0:
@@ -155,7 +167,14 @@ class TestNetwork:
 
     def link(self, host: str, up: bool) -> None:
         i = self.hosts.index(host)
-        _ip("-n", self.switch, "link", "set", f"hvd{os.getpid() % 100000}v{i}", "up" if up else "down")
+        _ip(
+            "-n",
+            self.switch,
+            "link",
+            "set",
+            f"hvd{os.getpid() % 100000}v{i}",
+            "up" if up else "down",
+        )
 
     # ------------------------------------------------------------------ tear-down
     def close(self) -> None:

@@ -182,7 +182,10 @@ def _launcher(*args):
         ),
         (["-np", "1", "-H", "local host:1", "python"], "Invalid host input"),
         (["-np", "1", "-H", "localhost:1,localhost:2", "python"], "listed more than once"),
-        (["-np", "1", "-H", "far-away-host.invalid:1", "python"], "are not this machine"),
+        (
+            ["-np", "1", "-H", "far-away-host.invalid:1", "python"],
+            "cannot start workers over ssh on far-away-host.invalid",
+        ),
         (["-np", "1", "no-such-command-xyz"], "command not found: no-such-command-xyz"),
         (["-np", "1", "--mpi", "python"], "--mpi is not available"),
         (["-np", "1", "--fusion-threshold-mb", "-1", "python"], "must be >= 0"),

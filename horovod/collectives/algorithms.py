@@ -19,10 +19,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from horovod.transport.base import Reducer, Scratch, as_bytes
+from horovod.transport.base import Reducer, Scratch, SubTransport, as_bytes
 
 SMALL_BYTES = 128 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
 PIPELINE_BYTES = 1 << 20  # block size of the pipelined chain broadcast
+# HOROVOD_HIERARCHICAL_ALLREDUCE / _ALLGATHER, set at hvd.init() (the same on every rank).
+HIERARCHICAL_ALLREDUCE = False
+HIERARCHICAL_ALLGATHER = False
 
 
 def split_even(total: int, parts: int) -> list[int]:
@@ -39,11 +42,44 @@ def _offsets(counts: Sequence[int]) -> list[int]:
     return out
 
 
+class Hosts:
+    """How the ranks of a transport view sit on hosts: ``local`` are the view ranks on this
+    rank's host (in rank order, the first is the host's leader), ``leaders`` the first rank of
+    every host (hosts in order of their first rank)."""
+
+    def __init__(self, hosts: Sequence[str], me: int) -> None:
+        first: dict[str, int] = {}
+        for r, h in enumerate(hosts):
+            first.setdefault(h, r)
+        self.hosts = list(hosts)
+        self.local = [r for r, h in enumerate(hosts) if h == hosts[me]]
+        self.leaders = list(first.values())
+        self.members = {h: [r for r, x in enumerate(hosts) if x == h] for h in first}
+
+    @property
+    def useful(self) -> bool:
+        """A two-level algorithm helps only with several hosts and several ranks on one."""
+        return 1 < len(self.leaders) < len(self.hosts)
+
+
+def _hosts(t) -> Hosts | None:
+    names = getattr(t, "hosts", None)
+    if not names:
+        return None
+    h = Hosts(names, t.rank)
+    return h if h.useful else None
+
+
 def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:
     """In-place reduction of ``buf`` (flat) across all ranks of ``t``."""
     n = t.size
     if n == 1 or buf.size == 0:
         return
+    if HIERARCHICAL_ALLREDUCE:
+        hosts = _hosts(t)
+        if hosts is not None:
+            hierarchical_allreduce(t, buf, op, scratch, hosts)
+            return
     if buf.nbytes <= SMALL_BYTES or buf.size < n:
         if n > 2 and n & (n - 1) == 0:
             _allreduce_recursive_doubling(t, buf, op, scratch)
@@ -155,12 +191,78 @@ def reduce_scatter(
     return mine
 
 
+def reduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, root: int) -> None:
+    """``buf`` on view rank ``root`` ends as the reduction over all ranks (others' ``buf`` is
+    clobbered). Small: everyone sends to the root, which folds in rank order. Large: ring
+    reduce-scatter, then the root gathers the reduced segments."""
+    n, me = t.size, t.rank
+    if n == 1 or buf.size == 0:
+        return
+    if buf.nbytes <= SMALL_BYTES or buf.size < n:
+        if me != root:
+            t.exchange([(root, as_bytes(buf))], [])
+            return
+        others = scratch.get(buf.nbytes * (n - 1), buf.dtype).reshape(n - 1, buf.size)
+        peers = [p for p in range(n) if p != me]
+        t.exchange([], [(p, as_bytes(others[i])) for i, p in enumerate(peers)])
+        parts = [others[i] for i in range(me)] + [buf] + [others[i] for i in range(me, n - 1)]
+        acc = parts[0]
+        for part in parts[1:]:
+            op(acc, part, out=acc)
+        if acc is not buf:
+            np.copyto(buf, acc)
+        return
+    counts = split_even(buf.size, n)
+    offs = _offsets(counts)
+    _reduce_scatter_ring(t, buf, counts, op, scratch)
+    seg = [as_bytes(buf[offs[r] : offs[r] + counts[r]]) for r in range(n)]
+    if me == root:
+        t.exchange([], [(p, seg[p]) for p in range(n) if p != me])
+    else:
+        t.exchange([(root, seg[me])], [])
+
+
+def hierarchical_allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, hosts: Hosts) -> None:
+    """Reduce within each host to its leader (shared memory), allreduce among the leaders
+    (across hosts), broadcast within each host. Every rank ends with the leaders' result."""
+    local = SubTransport(t, hosts.local)
+    reduce(local, buf, op, scratch, root=0)
+    if t.rank == hosts.local[0]:
+        allreduce(SubTransport(t, hosts.leaders), buf, op, scratch)
+    broadcast(local, buf, 0)
+
+
+def hierarchical_allgatherv(t, out: np.ndarray, nbytes: Sequence[int], hosts: Hosts) -> None:
+    """Each host's leader collects its host's blocks, the leaders swap whole hosts' blocks, and
+    each leader broadcasts the full result within its host."""
+    me = t.rank
+    offs = _offsets(nbytes)
+    blocks = [as_bytes(out[offs[r] : offs[r] + nbytes[r]]) for r in range(t.size)]
+    leader = hosts.local[0]
+    if me != leader:
+        t.exchange([(leader, blocks[me])], [])
+    else:
+        t.exchange([], [(r, blocks[r]) for r in hosts.local[1:]])
+        mine = hosts.hosts[me]
+        others = [lead for lead in hosts.leaders if lead != me]
+        t.exchange(
+            [(lead, blocks[r]) for lead in others for r in hosts.members[mine]],
+            [(lead, blocks[r]) for lead in others for r in hosts.members[hosts.hosts[lead]]],
+        )
+    broadcast(SubTransport(t, hosts.local), out, 0)
+
+
 def allgatherv(t, out: np.ndarray, nbytes: Sequence[int]) -> None:
     """``out`` (flat uint8) holds block r (``nbytes[r]`` bytes, rank order) on rank r; afterwards
     every block is present on every rank."""
     n, me = t.size, t.rank
     if n == 1:
         return
+    if HIERARCHICAL_ALLGATHER:
+        hosts = _hosts(t)
+        if hosts is not None:
+            hierarchical_allgatherv(t, out, nbytes, hosts)
+            return
     offs = _offsets(nbytes)
     blocks = [out[offs[r] : offs[r] + nbytes[r]] for r in range(n)]
     if sum(nbytes) <= SMALL_BYTES * 2 or n == 2:

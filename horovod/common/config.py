@@ -233,7 +233,11 @@ class Config:
     rendezvous_port: int = _knob(
         "HOROVOD_GLOO_RENDEZVOUS_PORT", -1, "Port of the rendezvous store (set by horovodrun)."
     )
-    iface: str = _knob("HOROVOD_GLOO_IFACE", "", "Network interface(s) the data plane uses, comma-separated: the first this host has.")
+    iface: str = _knob(
+        "HOROVOD_GLOO_IFACE",
+        "",
+        "Network interface(s) the data plane uses, comma-separated: the first this host has.",
+    )
     timeout_seconds: float = _knob(
         "HOROVOD_GLOO_TIMEOUT_SECONDS",
         30.0,

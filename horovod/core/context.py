@@ -241,7 +241,14 @@ def _data_plane_settings(cfg: Config) -> list[tuple[str, object]]:
 
     return [
         (env_of(k), getattr(cfg, k))
-        for k in ("ring_threshold_bytes", "shared_memory", "shm_chunk_bytes", "shm_slots")
+        for k in (
+            "ring_threshold_bytes",
+            "shared_memory",
+            "shm_chunk_bytes",
+            "shm_slots",
+            "hierarchical_allreduce",
+            "hierarchical_allgather",
+        )
     ]
 
 
@@ -300,8 +307,11 @@ class Context:
             self.hostnames = [info[0] for info in infos]
             alg.SMALL_BYTES = cfg.ring_threshold_bytes
             pool.POOL.capacity = cfg.output_pool_bytes if pool._refcounts_are_exact() else 0
+            alg.HIERARCHICAL_ALLREDUCE = cfg.hierarchical_allreduce
+            alg.HIERARCHICAL_ALLGATHER = cfg.hierarchical_allgather
             if spec is None and cfg.size > 1 and cfg.shared_memory:
                 transport = self._with_shared_memory(cfg, store, scope, transport)
+            transport.hosts = list(self.hostnames)
             # Ranks on rank 0's host whose stacks can be dumped with SIGUSR1 (faulthandler),
             # for the hang doctor when a rank is too busy in C code to answer.
             signal_pids = {

@@ -56,6 +56,7 @@ class Worker:
     exit_code: int | None = None
     exit_time: float = 0.0
     stopped_by_us: bool = False
+    stop_time: float = 0.0
     threads: list[threading.Thread] = field(default_factory=list)
 
 
@@ -236,14 +237,33 @@ class Job:
 
     def root_cause(self) -> Worker | None:
         """The first rank that failed on its own account. Workers record why they die (an
-        uncaught exception of their own vs. a Horovod error caused by another rank); exit
-        order alone decides only when no such record exists."""
+        uncaught exception of their own vs. a Horovod error caused by another rank). When the
+        first to fail only reports another rank's loss, the cause is a rank that died without a
+        word (a signal, a lost host), even if its exit reached us later (ssh's round trip).
+        Exit order alone decides only when no such record exists."""
         if self.first_failure is None:
             return None
-        own = [w for w in self.workers if (self.failure_note(w.rank) or ("",))[0] == "root"]
+        notes = {w.rank: self.failure_note(w.rank) for w in self.workers}
+        own = [w for w in self.workers if (notes[w.rank] or ("",))[0] == "root"]
         if own:
             return min(own, key=lambda w: w.exit_time)
+        if (notes[self.first_failure.rank] or ("",))[0] == "consequence":
+            silent = [
+                w
+                for w in self.workers
+                if w.exit_code and notes[w.rank] is None and not self._ended_by_our_stop(w)
+            ]
+            if silent:
+                return min(silent, key=lambda w: w.exit_time)
         return self.first_failure
+
+    def _ended_by_our_stop(self, w: Worker) -> bool:
+        if not w.stopped_by_us:
+            return False
+        if w.exit_code == 128 + signal.SIGTERM:
+            return True
+        late = w.exit_time >= w.stop_time + self.grace - 0.5
+        return w.exit_code == 128 + signal.SIGKILL and late
 
     def stop_all(self, except_rank: int | None = None) -> None:
         """SIGTERM every running worker's process group; SIGKILL what is left after the grace
@@ -251,6 +271,7 @@ class Job:
         targets = [w for w in self.workers if w.rank != except_rank and w.proc.poll() is None]
         for w in targets:
             w.stopped_by_us = True
+            w.stop_time = time.time()
             if w.remote and w.proc.stdin is not None:
                 # End of input tells the remote supervisor to stop the worker (SIGTERM, then
                 # SIGKILL); ssh keeps forwarding its last output meanwhile.
@@ -311,6 +332,7 @@ class Job:
                 )
             else:
                 lines.append(f"  rank {w.rank} ({w.host}): finished (exit code 0)")
+        first = self.first_failure.rank if self.first_failure is not None else f.rank
         note = self.failure_note(f.rank)
         when = time.strftime("%H:%M:%S", time.localtime(f.exit_time))
         if diagnosis:  # the runtime found the cause itself (the hang doctor's report)
@@ -328,7 +350,12 @@ class Job:
         else:
             lines.append(
                 f"Root cause: rank {f.rank} on host {f.host} "
-                f"{exit_description(f.exit_code or 1, f.remote)} at {when}, first of all ranks."
+                f"{exit_description(f.exit_code or 1, f.remote)} at {when}, "
+                + (
+                    "first of all ranks."
+                    if f is self.first_failure
+                    else f"without a word; rank {first} failed only because it lost this rank."
+                )
             )
         if f.tail:
             lines.append(f"Last lines of rank {f.rank}'s output:")

@@ -57,6 +57,8 @@ class Transport(ABC):
     rank: int
     size: int
     kind = "DIRECT"  # names the data path in timeline activities (TCP_ALLREDUCE, ...)
+    # The host of every rank (set at hvd.init()); hierarchical algorithms group ranks by it.
+    hosts: list[str] | None = None
 
     @abstractmethod
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None: ...
@@ -109,6 +111,8 @@ class SubTransport:
         self.rank = self.ranks.index(parent.rank)
         self.size = len(self.ranks)
         self.kind = parent.kind
+        names = getattr(parent, "hosts", None)
+        self.hosts = [names[r] for r in self.ranks] if names else None
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks

@@ -1,0 +1,158 @@
+"""Hierarchical allreduce/allgather (HOROVOD_HIERARCHICAL_*): within each host, then across the
+hosts' leaders, then back within the host. Checked against NumPy and against the flat
+algorithms, over in-process transports whose ranks claim host names (loopback threads, and
+real shared memory within a host plus TCP across), for host layouts that are uneven,
+interleaved and of one rank per host."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from horovod.collectives import algorithms as alg
+from horovod.transport.base import Scratch, SubTransport
+from horovod.transport.loopback import LoopbackWorld
+from tests.test_transports import _close, _create, _run
+
+LAYOUTS = [
+    ["a", "a", "b", "b"],
+    ["a", "a", "a", "b"],  # uneven
+    ["a", "b", "a", "b", "c"],  # interleaved (ranks of a host not contiguous), three hosts
+]
+
+
+@pytest.fixture
+def hierarchical(monkeypatch):
+    monkeypatch.setattr(alg, "HIERARCHICAL_ALLREDUCE", True)
+    monkeypatch.setattr(alg, "HIERARCHICAL_ALLGATHER", True)
+
+
+def _loopback(hosts):
+    world = LoopbackWorld(len(hosts))
+    ts = [world.transport(r, 0) for r in range(len(hosts))]
+    for t in ts:
+        t.hosts = list(hosts)
+    return ts
+
+
+def _collectives(elems):
+    def fn(r, t):
+        n = t.size
+        x = (np.arange(elems) % 11 + 3 * r).astype(np.float32)
+        alg.allreduce(t, x, np.add, Scratch())
+        y = (np.arange(elems) % 5 - r).astype(np.int64)
+        alg.allreduce(t, y, np.maximum, Scratch())
+        sizes = [(elems + 3 * k) % 50_001 for k in range(n)]  # includes empty blocks
+        out = np.zeros(sum(sizes), np.uint8)
+        off = sum(sizes[:r])
+        out[off : off + sizes[r]] = r + 1
+        alg.allgatherv(t, out, sizes)
+        return x.tobytes(), y.tobytes(), out.tobytes()
+
+    return fn
+
+
+@pytest.mark.parametrize("hosts", LAYOUTS, ids=lambda h: "".join(h))
+@pytest.mark.parametrize("elems", [1, 1000, 100_003])
+def test_hierarchical_matches_numpy_and_the_flat_algorithms(hosts, elems, monkeypatch):
+    n = len(hosts)
+    ts = _loopback(hosts)
+    flat = _run(ts, _collectives(elems))
+    monkeypatch.setattr(alg, "HIERARCHICAL_ALLREDUCE", True)
+    monkeypatch.setattr(alg, "HIERARCHICAL_ALLGATHER", True)
+    calls = {"allreduce": 0, "allgatherv": 0}
+    real_ar, real_ag = alg.hierarchical_allreduce, alg.hierarchical_allgatherv
+
+    def count_ar(*a, **k):
+        calls["allreduce"] += 1
+        return real_ar(*a, **k)
+
+    def count_ag(*a, **k):
+        calls["allgatherv"] += 1
+        return real_ag(*a, **k)
+
+    monkeypatch.setattr(alg, "hierarchical_allreduce", count_ar)
+    monkeypatch.setattr(alg, "hierarchical_allgatherv", count_ag)
+    hier = _run(ts, _collectives(elems))
+    assert calls == {"allreduce": 2 * n, "allgatherv": n}  # the two-level path really ran
+    want_x = sum((np.arange(elems) % 11 + 3 * k).astype(np.float32) for k in range(n))
+    want_y = np.arange(elems) % 5
+    for r in range(n):
+        # integer-valued data: every summation order gives the same bits
+        assert hier[r] == flat[r]
+        assert np.array_equal(np.frombuffer(hier[r][0], np.float32), want_x)
+        assert np.array_equal(np.frombuffer(hier[r][1], np.int64), want_y)
+    assert len({h[2] for h in hier}) == 1
+
+
+def test_every_rank_gets_the_same_bits_for_float_sums(hierarchical):
+    hosts = ["a", "a", "a", "b", "b"]
+    ts = _loopback(hosts)
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal(30_001).astype(np.float32) * 1e3 for _ in hosts]
+
+    def fn(r, t):
+        x = data[r].copy()
+        alg.allreduce(t, x, np.add, Scratch())
+        return x.tobytes()
+
+    out = _run(ts, fn)
+    assert len(set(out)) == 1
+    np.testing.assert_allclose(np.frombuffer(out[0], np.float32), sum(data), rtol=1e-4, atol=1e-2)
+
+
+def test_flat_when_two_levels_cannot_help(hierarchical, monkeypatch):
+    """One host, or one rank per host: the flat algorithm runs (a leader step would only add
+    latency)."""
+
+    def boom(*a, **k):
+        raise AssertionError("hierarchical path taken")
+
+    monkeypatch.setattr(alg, "hierarchical_allreduce", boom)
+    monkeypatch.setattr(alg, "hierarchical_allgatherv", boom)
+    for hosts in (["a", "a", "a"], ["a", "b", "c"]):
+        ts = _loopback(hosts)
+        out = _run(ts, _collectives(100))
+        assert len({o[0] for o in out}) == 1
+
+
+def test_process_set_views_keep_their_hosts(hierarchical):
+    """A process set over ranks 1..4 of a 5-rank job: host names follow the set's ranks."""
+    hosts = ["a", "a", "a", "b", "b"]
+    ts = _loopback(hosts)
+    views = [SubTransport(t, [1, 2, 3, 4]) for t in ts[1:]]
+    assert views[0].hosts == ["a", "a", "b", "b"]
+
+    def fn(r, v):
+        x = np.full(10, float(r + 1))
+        alg.allreduce(v, x, np.add, Scratch())
+        return float(x[0])
+
+    assert _run(views, fn) == [10.0] * 4
+
+
+def test_reduce_to_any_root(hierarchical):
+    ts = _loopback(["a"] * 3)
+    for elems in (5, 200_000):
+
+        def fn(r, t, elems=elems):
+            x = (np.arange(elems) % 3 + r).astype(np.float64)
+            alg.reduce(t, x, np.add, Scratch(), root=1)
+            return x.copy() if r == 1 else None
+
+        got = _run(ts, fn)[1]
+        assert np.array_equal(got, 3 * (np.arange(elems) % 3) + 3.0)
+
+
+def test_over_shared_memory_within_hosts_and_tcp_across(hierarchical):
+    hosts = ["a", "a", "b", "b"]
+    ts = _create(hosts)
+    try:
+        for t in ts:
+            t.hosts = list(hosts)
+        out = _run(ts, _collectives(100_003), timeout=60)
+        assert len(set(out)) == 1
+        want = sum((np.arange(100_003) % 11 + 3 * k).astype(np.float32) for k in range(4))
+        assert np.array_equal(np.frombuffer(out[0][0], np.float32), want)
+    finally:
+        _close(ts)

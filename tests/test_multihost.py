@@ -1,0 +1,296 @@
+"""horovodrun across hosts, for real: test hosts are network namespaces joined by a bridge, each
+running its own sshd (tests/netns_hosts.py); the launcher runs on hostA and starts hostB's
+workers over ssh. Collectives and placement, hierarchical vs flat, a training example, a
+worker killed on the remote host, a host dropping off the network, Ctrl-C, and an unreachable
+host. Every test checks that nothing of the job is left running on any host.
+
+Skips cleanly where namespaces or sshd are unavailable (not root, no iproute2/openssh-server).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from tests.conftest import REPO
+from tests.netns_hosts import TestNetwork, processes_with, unavailable
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or unavailable() is not None,
+    reason=f"multi-host tests need network namespaces and sshd: {unavailable()}",
+)
+
+
+@pytest.fixture(scope="module")
+def net():
+    n = TestNetwork(["hostA", "hostB", "hostC"], without_sshd=("hostC",))
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return tmp_path
+
+
+def _horovodrun(net, args, script, workdir, *, env=None, timeout=120, popen=False):
+    path = workdir / "script.py"
+    path.write_text(textwrap.dedent(script))
+    marker = f"HVD_MULTIHOST_TEST={uuid.uuid4().hex}"
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    full_env["HVD_MULTIHOST_TEST"] = marker.split("=", 1)[1]
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("HOROVOD_SSH_KEEPALIVE_SECONDS", "1")
+    argv = net.command(
+        "hostA",
+        [
+            sys.executable,
+            "-m",
+            "horovod.runner.launch",
+            *net.launcher_args(),
+            *args,
+            sys.executable,
+            str(path),
+        ],
+    )
+    kw = dict(cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if popen:
+        return subprocess.Popen(argv, **kw), marker
+    r = subprocess.run(argv, timeout=timeout, **kw)
+    return r, marker
+
+
+def _nothing_left(marker, within=15.0):
+    deadline = time.monotonic() + within
+    while True:
+        left = processes_with(marker)
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:  # do not leak into later tests, but fail this one
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert left == [], f"processes left running: {left}"
+
+
+COLLECTIVES = """
+    import json, os
+    import numpy as np
+    import horovod.numpy as hvd
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    res = {
+        "rank": r, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
+        "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+        "host": os.environ["HOROVOD_HOSTNAME"], "cwd": os.getcwd(),
+        "carried": os.environ.get("CARRIED_VAR"),
+    }
+    for elems in (1, 1000, 300_001):
+        x = (np.arange(elems) % 97 + r).astype(np.float32)
+        res[f"sum{elems}"] = float(hvd.allreduce(x, op=hvd.Sum, name=f"s{elems}").sum(dtype=np.float64))
+        res[f"avg{elems}"] = float(hvd.allreduce(x, name=f"a{elems}")[:50].sum())
+        g = hvd.allgather(np.full((r + 1, elems % 7 + 1), r, np.int32), name=f"g{elems}")
+        res[f"gather{elems}"] = [int(g.sum()), list(g.shape)]
+    b = hvd.broadcast(np.arange(4) * (r + 1), root_rank=n - 1, name="b")
+    res["bcast"] = b.tolist()
+    sp = hvd.alltoall(np.arange(n) + 10 * r, name="a2a")
+    res["alltoall"] = sp.tolist()
+    print("RESULT " + json.dumps(res))
+    hvd.shutdown()
+"""
+
+
+def _results(stdout):
+    out = {}
+    for line in stdout.splitlines():
+        if "RESULT " in line:
+            d = json.loads(line.split("RESULT ", 1)[1])
+            out[d["rank"]] = d
+    return out
+
+
+def test_collectives_and_placement_across_hosts_flat_and_hierarchical(net, workdir):
+    runs = {}
+    for mode in ("flat", "hierarchical"):
+        flags = ["--hierarchical-allreduce", "--hierarchical-allgather"] if mode != "flat" else []
+        r, marker = _horovodrun(
+            net,
+            ["-np", "4", "-H", "hostA:2,hostB:2", *flags],
+            COLLECTIVES,
+            workdir,
+            env={"CARRIED_VAR": "from the launcher"},
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[mode] = _results(r.stdout)
+        _nothing_left(marker)
+    flat = runs["flat"]
+    assert sorted(flat) == [0, 1, 2, 3]
+    place = [
+        (d["host"], d["local_rank"], d["cross_rank"], d["cross_size"])
+        for _, d in sorted(flat.items())
+    ]
+    assert place == [("hostA", 0, 0, 2), ("hostA", 1, 0, 2), ("hostB", 0, 1, 2), ("hostB", 1, 1, 2)]
+    for d in flat.values():
+        assert d["cwd"] == str(workdir) and d["carried"] == "from the launcher"
+        assert d["bcast"] == [0, 4, 8, 12]
+    assert flat[2]["alltoall"] == [2, 12, 22, 32]
+    for r_ in range(4):
+        for k, v in flat[r_].items():
+            if k.startswith(("sum", "avg", "gather")):
+                assert runs["hierarchical"][r_][k] == v, (r_, k)
+    assert flat[0]["sum300001"] == float(sum((i % 97) * 4 + 6 for i in range(300_001)))
+
+
+def test_training_example_across_hosts(net, workdir):
+    example = (REPO / "examples" / "numpy_digits.py").read_text()
+    r, marker = _horovodrun(
+        net,
+        ["-np", "4", "-H", "hostA:2,hostB:2", "--hierarchical-allreduce"],
+        example,
+        workdir,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "[3]<stdout>" in r.stdout or "[0]<stdout>" in r.stdout
+    _nothing_left(marker)
+
+
+KILLED = """
+    import os, signal, time
+    import numpy as np
+    import horovod.numpy as hvd
+    hvd.init()
+    hvd.allreduce(np.ones(3), name="warm")
+    print("rank", hvd.rank(), "ready", flush=True)
+    if hvd.rank() == 3:
+        print("rank 3 about to die", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:
+        hvd.allreduce(np.ones(3), name="loop")
+        time.sleep(0.01)
+"""
+
+
+def test_a_worker_killed_on_the_remote_host_stops_the_job_with_a_root_cause(net, workdir):
+    r, marker = _horovodrun(net, ["-np", "4", "-H", "hostA:2,hostB:2"], KILLED, workdir)
+    assert r.returncode != 0
+    tail = r.stderr.strip().splitlines()
+    report = "\n".join(tail[-12:])
+    assert "Root cause: rank 3 on host hostB" in report, r.stderr[-3000:]
+    assert "SIGKILL" in report
+    assert "rank 3 about to die" in report  # its last words, brought back over ssh
+    for other in (0, 1, 2):
+        assert f"rank {other} (host" in r.stderr
+    _nothing_left(marker)
+
+
+LOOP = """
+    import time
+    import numpy as np
+    import horovod.numpy as hvd
+    hvd.init()
+    i = 0
+    while True:
+        hvd.allreduce(np.ones(1000), name="loop")
+        if i == 0:
+            print("rank", hvd.rank(), "running", flush=True)
+        i += 1
+        time.sleep(0.005)
+"""
+
+
+def _wait_for(proc, text, timeout=60):
+    """Read proc's stdout until ``text`` has appeared on every rank we expect; returns lines."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if sum(text in x for x in seen) >= 4:
+            return seen
+    raise AssertionError(f"workers did not start: {seen}")
+
+
+def test_a_host_that_drops_off_the_network_ends_the_job(net, workdir):
+    proc, marker = _horovodrun(
+        net, ["-np", "4", "-H", "hostA:2,hostB:2"], LOOP, workdir, popen=True
+    )
+    try:
+        _wait_for(proc, "running")
+        net.link("hostB", up=False)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        net.link("hostB", up=True)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert took < 30, took
+    assert "on host hostB" in err and "ssh" in err, err[-3000:]
+    _nothing_left(marker, within=20)
+
+
+def test_ctrl_c_stops_every_worker_on_every_host(net, workdir):
+    proc, marker = _horovodrun(
+        net, ["-np", "4", "-H", "hostA:2,hostB:2"], LOOP, workdir, popen=True
+    )
+    try:
+        _wait_for(proc, "running")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "received SIGINT; stopped all 4 workers" in err
+    _nothing_left(marker)
+
+
+def test_a_host_without_ssh_is_refused_before_anything_starts(net, workdir):
+    r, marker = _horovodrun(
+        net, ["-np", "2", "-H", "hostA:1,hostC:1"], COLLECTIVES, workdir, timeout=60
+    )
+    assert r.returncode == 2
+    assert "cannot start workers over ssh on hostC" in r.stderr
+    assert "refused" in r.stderr.lower()
+    _nothing_left(marker)
+
+
+def test_output_files_and_timestamps_for_remote_ranks(net, workdir):
+    out = workdir / "logs"
+    r, marker = _horovodrun(
+        net,
+        [
+            "-np",
+            "3",
+            "-H",
+            "hostA:1,hostB:2",
+            "--output-filename",
+            str(out),
+            "--prefix-output-with-timestamp",
+        ],
+        COLLECTIVES,
+        workdir,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(3):
+        text = (out / f"rank.{rank}" / "stdout").read_text()
+        assert f'"rank": {rank}' in text
+    assert all(line[:3].isalpha() for line in r.stdout.splitlines() if line)  # "Sun Nov ..."
+    _nothing_left(marker)
+    shutil.rmtree(out)
