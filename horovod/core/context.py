@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from horovod.collectives import algorithms as alg
-from horovod.common import log
+from horovod.common import log, scheduler
 from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
@@ -38,6 +38,8 @@ from horovod.transport.base import Transport
 from horovod.transport.loopback import LoopbackWorld
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+# Rendezvous stores served by rank 0 of scheduler-started jobs, by (port, key).
+_SCHEDULED_SERVERS: dict[tuple[int, str], Any] = {}
 FAILURE_SCOPE = "job"  # where workers record why they die (read by horovodrun)
 
 
@@ -146,9 +148,12 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
             cross_size=local[3],
         )
     else:
+        launch = scheduler.detect(env)
+        if launch is not None:  # srun / mpirun started this worker, not horovodrun
+            env = {**env, **launch.env}
         cfg = Config.from_env(env)
         log.configure(cfg.log_level, cfg.log_hide_time)
-    new = Context(cfg, spec, static, env)
+    new = Context(cfg, spec, static, env, launch if spec is None else None)
     with _lock:
         if spec is not None:
             _thread_ctx.set(new)
@@ -275,6 +280,7 @@ class Context:
         spec: RankSpec | None,
         static_sets: list[ProcessSet],
         env: Mapping[str, str] | None = None,
+        launch: scheduler.Launch | None = None,
     ) -> None:
         self.config = cfg
         self.rank, self.size = cfg.rank, cfg.size
@@ -294,7 +300,10 @@ class Context:
                     f"process set {ps.ranks} names ranks {bad} but the job has "
                     f"{cfg.size} ranks (0..{cfg.size - 1})"
                 )
-        store, transport = self._connect(cfg, spec, scope)
+        self._rendezvous_server = None
+        if launch is not None and cfg.size > 1:
+            self._rendezvous_server = self._serve_rendezvous(cfg, launch)
+        store, transport = self._connect(cfg, spec, scope, scheduled=launch is not None)
         self.store = store
         self.timeline: Timeline | None = None
         self.autotuner: Autotuner | None = None
@@ -305,6 +314,9 @@ class Context:
             hosts = Counter(info[0] for info in infos)
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
+            if launch is not None:  # the scheduler's local ranks are a guess; hosts are facts
+                layout = _local_layout(self.hostnames)[cfg.rank]
+                self.local_rank, self.local_size, self.cross_rank, self.cross_size = layout
             alg.SMALL_BYTES = cfg.ring_threshold_bytes
             pool.POOL.capacity = cfg.output_pool_bytes if pool._refcounts_are_exact() else 0
             alg.HIERARCHICAL_ALLREDUCE = cfg.hierarchical_allreduce
@@ -358,7 +370,46 @@ class Context:
         log.logger.info("Horovod initialized: rank %d of %d", cfg.rank, cfg.size)
 
     @staticmethod
-    def _connect(cfg: Config, spec: RankSpec | None, scope: str) -> tuple[Store, Transport]:
+    def _serve_rendezvous(cfg: Config, launch: scheduler.Launch):
+        """Without horovodrun, rank 0 serves the rendezvous store at the agreed address."""
+        if not cfg.rendezvous_addr:
+            raise ConfigError(
+                f"this worker was started by {launch.scheduler} (rank {cfg.rank} of {cfg.size}) "
+                "without horovodrun: set HOROVOD_GLOO_RENDEZVOUS_ADDR to the host name or address "
+                "of rank 0's machine on every rank (e.g. `mpirun -x "
+                "HOROVOD_GLOO_RENDEZVOUS_ADDR=$(hostname) ...`); rank 0 serves the rendezvous there"
+            )
+        if launch.derived_secret and cfg.rank == 0:
+            log.logger.warning(
+                "HOROVOD_SECRET_KEY is not set: the job's key was derived from the %s job id, "
+                "which others on the network may know. Export a random one to every rank, e.g. "
+                "`export HOROVOD_SECRET_KEY=$(openssl rand -hex 32)` before srun/mpirun.",
+                launch.scheduler,
+            )
+        if cfg.rank != 0:
+            return None
+        from horovod.rendezvous.server import RendezvousServer
+
+        key = (cfg.rendezvous_port, cfg.secret_key)
+        if key in _SCHEDULED_SERVERS:  # hvd.init() again after shutdown(): the same store
+            return _SCHEDULED_SERVERS[key]
+        try:
+            server = RendezvousServer(
+                bytes.fromhex(cfg.secret_key), host="0.0.0.0", port=cfg.rendezvous_port
+            ).start()
+            _SCHEDULED_SERVERS[key] = server  # lives as long as the process
+            return server
+        except OSError as e:
+            raise ConfigError(
+                f"rank 0 cannot serve the rendezvous on port {cfg.rendezvous_port} "
+                f"({e.strerror or e}); set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port on every "
+                "rank"
+            ) from None
+
+    @staticmethod
+    def _connect(
+        cfg: Config, spec: RankSpec | None, scope: str, scheduled: bool = False
+    ) -> tuple[Store, Transport]:
         if spec is not None:
             return spec.world.store, spec.world.transport(cfg.rank, int(scope[4:]))
         if cfg.size == 1:
@@ -378,7 +429,9 @@ class Context:
         from horovod.transport.tcp import TcpTransport, interface_address, local_address_towards
 
         secret = bytes.fromhex(cfg.secret_key)
-        store = HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, secret)
+        # Under a scheduler rank 0 may start later than the others: retry for the start timeout.
+        retries = 5 + int(cfg.start_timeout) if scheduled else 5
+        store = HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, secret, retries=retries)
         advertise = (
             interface_address(cfg.iface)
             if cfg.iface
