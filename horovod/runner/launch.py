@@ -24,6 +24,7 @@ from horovod.common.config import LOG_LEVELS
 from horovod.common.secret import make_secret
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner import ssh
+from horovod.runner.config_file import parse_with_config
 from horovod.runner.hosts import assign_slots, is_local, parse_hostfile, parse_hosts
 from horovod.runner.procs import Command, Job
 
@@ -75,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         "HOROVOD_START_TIMEOUT or 30)",
     )
     p.add_argument("--verbose", action="store_true", help="print what the launcher does")
+    p.add_argument(
+        "--config-file",
+        help="YAML file with upstream's keys (params, autotune, timeline, stall_check, "
+        "library_options, logging); overrides flags before it, overridden by flags after it",
+    )
     p.add_argument(
         "--output-filename", help="also write each rank's output to DIR/rank.N/stdout and stderr"
     )
@@ -243,7 +249,7 @@ def _error(msg: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a = parse_with_config(parser, list(sys.argv[1:] if argv is None else argv))
     if a.check_build:
         print(check_build())
         return 0
