@@ -294,3 +294,36 @@ def test_output_files_and_timestamps_for_remote_ranks(net, workdir):
     assert all(line[:3].isalpha() for line in r.stdout.splitlines() if line)  # "Sun Nov ..."
     _nothing_left(marker)
     shutil.rmtree(out)
+
+
+RUN_FUNC = """
+    import os, sys
+    import horovod
+
+    def work(scale):
+        import numpy as np
+        import horovod.numpy as hvd
+        hvd.init()
+        total = hvd.allreduce(np.array([hvd.rank() * scale]), op=hvd.Sum, name="t")
+        return hvd.rank(), os.environ["HOROVOD_HOSTNAME"], int(total[0])
+
+    port, key = sys.argv[1], sys.argv[2]
+    print("VALUES", horovod.run(work, args=(10,), num_proc=3, hosts="hostA:1,hostB:2",
+                                ssh_port=int(port), ssh_identity_file=key))
+"""
+
+
+def test_horovod_run_returns_values_from_ranks_on_every_host(net, workdir):
+    path = workdir / "driver.py"
+    path.write_text(textwrap.dedent(RUN_FUNC))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    r = net.exec(
+        "hostA",
+        [sys.executable, str(path), net.launcher_args()[1], net.launcher_args()[3]],
+        cwd=workdir,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "VALUES [(0, 'hostA', 30), (1, 'hostB', 30), (2, 'hostB', 30)]" in r.stdout

@@ -127,6 +127,10 @@ class RendezvousServer:
         with self._server.lock:
             return self._server.data.get((scope, key))
 
+    def put(self, scope: str, key: str, value: bytes) -> None:
+        with self._server.lock:
+            self._server.data[(scope, key)] = bytes(value)
+
     def start(self) -> RendezvousServer:
         self._thread.start()
         return self

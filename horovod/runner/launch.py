@@ -17,7 +17,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from horovod import __version__
 from horovod.common.config import LOG_LEVELS
@@ -247,7 +247,15 @@ def _error(msg: str) -> int:
     return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    seed: dict[tuple[str, str], bytes] | None = None,
+    harvest: Callable[[RendezvousServer], None] | None = None,
+) -> int:
+    """horovodrun. ``seed`` entries are put into the job's rendezvous store before any worker
+    starts and ``harvest(server)`` reads it after all have exited (``horovod.run`` moves the
+    function and its results this way, so they reach ranks on every host)."""
     parser = build_parser()
     a = parse_with_config(parser, list(sys.argv[1:] if argv is None else argv))
     if a.check_build:
@@ -301,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = RendezvousServer(
         bytes.fromhex(secret), host="0.0.0.0" if remote else "127.0.0.1"
     ).start()
+    for (scope, key), value in (seed or {}).items():
+        server.put(scope, key, value)
     base = ssh.exportable(os.environ)
     base.update(env_from_args(a))
     base.update(
@@ -373,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         job.start()
         status = job.wait()
         report = job.report()
+        if harvest is not None:
+            harvest(server)
     except RuntimeError as e:
         return _error(str(e))
     finally:

@@ -1,23 +1,23 @@
 """``horovod.run``: run a Python function on every rank and collect what it returns.
 
-The function and its arguments are cloudpickled into a private temporary directory; horovodrun
-starts ``python -m horovod.runner.run_task`` on every slot; each rank calls the function and
-writes its result back. The caller gets the list of return values in rank order, or the first
+The function and its arguments are cloudpickled into the job's rendezvous store (every request
+authenticated with the job secret, so ranks on other hosts need no shared file system);
+horovodrun starts ``python -m horovod.runner.run_task`` on every slot; each rank fetches the
+function, calls it and stores its result. The caller gets the list of return values in rank order, or the first
 failure re-raised: the rank's own exception, chained to a ``RemoteTraceback`` that carries the
 rank's traceback text (as ``concurrent.futures`` does for process pools).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
+
+FUNC_SCOPE, RESULT_SCOPE = "runfunc", "runfunc_result"  # upstream's scope names
 
 
 class RemoteTraceback(Exception):
@@ -78,49 +78,47 @@ def run(
             f"horovod.run: {', '.join(unsupported)} not supported yet (elastic runs and host "
             "discovery are not implemented in this version)"
         )
-    if ssh_port is not None or ssh_identity_file is not None:
-        raise ValueError(
-            "horovod.run: ssh_port/ssh_identity_file need the multi-host launcher, which this "
-            "version does not have yet (all ranks run on this host)"
-        )
     if num_proc is None:
         num_proc = 1
     if not callable(func):
         raise TypeError(f"horovod.run: func must be callable, got {type(func).__name__}")
-    job_dir = tempfile.mkdtemp(prefix="hvdrun-")  # 0700: only this user reads the function
-    try:
-        with open(os.path.join(job_dir, "func.pkl"), "wb") as f:
-            cloudpickle.dump((func, tuple(args), dict(kwargs or {})), f)
-        argv = ["-np", str(num_proc)]
-        if hosts:
-            argv += ["-H", hosts]
-        if hostfile:
-            argv += ["-hostfile", hostfile]
-        if start_timeout is not None:
-            argv += ["--start-timeout", str(int(start_timeout))]
-        if output_filename:
-            argv += ["--output-filename", output_filename]
-        if verbose:
-            argv += ["--verbose"]
-        if network_interfaces:
-            nics = network_interfaces
-            argv += ["--network-interfaces", nics if isinstance(nics, str) else ",".join(nics)]
-        argv += [executable or sys.executable, "-m", "horovod.runner.run_task", job_dir]
-        from horovod.runner.launch import main
+    argv = ["-np", str(num_proc)]
+    if hosts:
+        argv += ["-H", hosts]
+    if hostfile:
+        argv += ["-hostfile", hostfile]
+    if ssh_port is not None:
+        argv += ["-p", str(ssh_port)]
+    if ssh_identity_file is not None:
+        argv += ["-i", ssh_identity_file]
+    if start_timeout is not None:
+        argv += ["--start-timeout", str(int(start_timeout))]
+    if output_filename:
+        argv += ["--output-filename", output_filename]
+    if verbose:
+        argv += ["--verbose"]
+    if network_interfaces:
+        nics = network_interfaces
+        argv += ["--network-interfaces", nics if isinstance(nics, str) else ",".join(nics)]
+    argv += [executable or sys.executable, "-m", "horovod.runner.run_task"]
+    from horovod.runner.launch import main
 
-        status = main(argv)
-        return _collect(job_dir, num_proc, status)
-    finally:
-        shutil.rmtree(job_dir, ignore_errors=True)
-
-
-def _collect(job_dir: str, n: int, status: int) -> list[Any]:
+    # The function and the results travel through the job's rendezvous store (authenticated
+    # with the job secret), so ranks on other hosts need no shared file system.
+    func_blob = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     results: dict[int, tuple] = {}
-    for rank in range(n):
-        path = os.path.join(job_dir, f"result.{rank}")
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                results[rank] = cloudpickle.load(f)
+
+    def harvest(server) -> None:
+        for rank in range(num_proc):
+            raw = server.get(RESULT_SCOPE, str(rank))
+            if raw is not None:
+                results[rank] = cloudpickle.loads(raw)
+
+    status = main(argv, seed={(FUNC_SCOPE, "func"): func_blob}, harvest=harvest)
+    return _collect(results, num_proc, status)
+
+
+def _collect(results: dict[int, tuple], n: int, status: int) -> list[Any]:
     errors = sorted(
         ((r[3], rank, r[1], r[2]) for rank, r in results.items() if r[0] == "error"),
         key=lambda e: (e[0], e[1]),

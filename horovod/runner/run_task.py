@@ -1,9 +1,10 @@
-"""Worker side of ``horovod.run``: ``python -m horovod.runner.run_task <dir>``.
+"""Worker side of ``horovod.run``: ``python -m horovod.runner.run_task``.
 
-Loads the cloudpickled ``(func, args, kwargs)`` from ``<dir>/func.pkl``, calls it, and writes
-``<dir>/result.<rank>``: ``("ok", value)`` or ``("error", exception, traceback text, time)``.
-An exception is re-raised after it is recorded, so the rank fails and horovodrun stops the job
-as for any failing worker.
+Fetches the cloudpickled ``(func, args, kwargs)`` from the job's rendezvous store (scope
+``runfunc``, key ``func``), calls it, and stores ``("ok", value)`` or ``("error", exception,
+traceback text, time)`` under scope ``runfunc_result``, key ``<rank>``. An exception is
+re-raised after it is recorded, so the rank fails and horovodrun stops the job as for any
+failing worker.
 """
 
 from __future__ import annotations
@@ -23,31 +24,46 @@ def _rank() -> int:
     return 0
 
 
-def _write(path: str, value: object) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        cloudpickle.dump(value, f)
-    os.replace(tmp, path)
+def _store():
+    from horovod.rendezvous.store import HTTPStoreClient
+
+    try:
+        addr = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
+        port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+        secret = bytes.fromhex(os.environ["HOROVOD_SECRET_KEY"])
+    except (KeyError, ValueError):
+        raise SystemExit(
+            "horovod.runner.run_task runs under horovod.run() (which starts horovodrun), not "
+            "on its own"
+        ) from None
+    return HTTPStoreClient(addr, port, secret)
 
 
 def main(argv: list[str]) -> int:
-    (job_dir,) = argv
+    from horovod.runner.run_func import FUNC_SCOPE, RESULT_SCOPE
+
     rank = _rank()
-    with open(os.path.join(job_dir, "func.pkl"), "rb") as f:
-        func, args, kwargs = cloudpickle.load(f)
-    out = os.path.join(job_dir, f"result.{rank}")
+    store = _store()
+    blob = store.get(FUNC_SCOPE, "func")
+    if blob is None:
+        raise SystemExit("horovod.run: the function is missing from the job's store")
+    func, args, kwargs = cloudpickle.loads(blob)
+
+    def _write(value: object) -> None:
+        store.set(RESULT_SCOPE, str(rank), cloudpickle.dumps(value))
+
     try:
         value = func(*args, **kwargs)
     except BaseException as e:
         tb = traceback.format_exc()
         try:
-            _write(out, ("error", e, tb, time.time()))
+            _write(("error", e, tb, time.time()))
         except Exception:  # the exception itself does not pickle: keep its text
-            _write(out, ("error", RuntimeError(f"{type(e).__name__}: {e}"), tb, time.time()))
+            _write(("error", RuntimeError(f"{type(e).__name__}: {e}"), tb, time.time()))
         print(f"User function raise error: {e}", file=sys.stderr)
         raise
     try:
-        _write(out, ("ok", value))
+        _write(("ok", value))
     except Exception as e:
         raise RuntimeError(
             f"horovod.run: rank {rank}'s return value could not be pickled ({e}); return "
