@@ -208,3 +208,40 @@ def test_under_a_real_mpirun(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("size 2 ") == 2 and r.stdout.count("sum 3.0") == 2
+
+
+def test_kubernetes_indexed_job():
+    launch = detect(
+        {
+            "JOB_COMPLETION_INDEX": "1",
+            "HOROVOD_SIZE": "2",
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "digits-0.digits",
+        }
+    )
+    assert launch is not None and launch.scheduler == "Kubernetes"
+    assert launch.env["HOROVOD_RANK"] == "1" and launch.env["HOROVOD_LOCAL_SIZE"] == "1"
+    assert detect({"JOB_COMPLETION_INDEX": "1"}) is None  # an ordinary indexed job
+
+
+def test_lsf_hosts_and_slots():
+    from horovod.runner.hosts import lsf_hosts
+
+    hs = lsf_hosts({"LSB_MCPU_HOSTS": "hostA 4 hostB 2"})
+    assert [(h.hostname, h.slots) for h in hs] == [("hostA", 4), ("hostB", 2)]
+    assert lsf_hosts({}) is None
+    with pytest.raises(ValueError, match="LSB_MCPU_HOSTS"):
+        lsf_hosts({"LSB_MCPU_HOSTS": "hostA 4 hostB"})
+
+
+def test_horovodrun_under_lsf_defaults_np_and_hosts(tmp_path):
+    env = _env({"LSB_MCPU_HOSTS": "localhost 2"})
+    path = _script(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "horovod.runner.launch", sys.executable, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("size 2 ") == 2

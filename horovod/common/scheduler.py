@@ -14,6 +14,9 @@ Slurm       SLURM_PROCID /             SLURM_LOCALID /        SLURM_JOB_ID.SLURM
             SLURM_STEP_NUM_TASKS       SLURM_STEP_TASKS_PER_NODE at SLURM_NODEID
 Open MPI    OMPI_COMM_WORLD_RANK/SIZE  OMPI_COMM_WORLD_LOCAL_RANK/_LOCAL_SIZE  OMPI_MCA_orte_ess_jobid
 PMI         PMI_RANK / PMI_SIZE        MPI_LOCALRANKID / MPI_LOCALNRANKS       PMI_JOBID
+Kubernetes  JOB_COMPLETION_INDEX /     0 / 1 (a pod each)     -
+(Indexed    HOROVOD_SIZE
+Job)
 ==========  =========================  =====================  ===========================
 
 Slurm is recognised from an ``srun`` step only (``SLURM_STEP_NUM_TASKS``), not from the batch
@@ -70,7 +73,7 @@ def _ints(environ: Mapping[str, str], *names: str) -> list[int] | None:
 def detect(environ: Mapping[str, str]) -> Launch | None:
     if environ.get("HOROVOD_RANK", "").strip():
         return None
-    found = _slurm(environ) or _simple(environ)
+    found = _slurm(environ) or _simple(environ) or _kubernetes(environ)
     if found is None:
         return None
     name, rank, size, local_rank, local_size, job, addr = found
@@ -111,6 +114,15 @@ def _slurm(environ: Mapping[str, str]):
     nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
     addr = first_host(nodes) if nodes else ""
     return "Slurm", rank, size, local_rank, local_size, job, addr
+
+
+def _kubernetes(environ: Mapping[str, str]):
+    """An Indexed Job: one worker per pod, its index as rank; the manifest sets HOROVOD_SIZE
+    (the number of completions) and the rendezvous address (pod 0's stable DNS name)."""
+    got = _ints(environ, "JOB_COMPLETION_INDEX", "HOROVOD_SIZE")
+    if got is None:
+        return None
+    return "Kubernetes", got[0], got[1], 0, 1, environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", ""), ""
 
 
 def _simple(environ: Mapping[str, str]):

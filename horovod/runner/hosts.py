@@ -125,3 +125,14 @@ def is_local(hostname: str) -> bool:
 
     mine = {a.address for addrs_ in psutil.net_if_addrs().values() for a in addrs_}
     return bool(addrs) and addrs <= mine | {"127.0.0.1", "::1"}
+
+
+def lsf_hosts(environ) -> list[HostInfo] | None:
+    """Under LSF (``bsub``), the job's hosts and slots from ``LSB_MCPU_HOSTS``
+    (``"hostA 4 hostB 4"``); None outside LSF."""
+    raw = environ.get("LSB_MCPU_HOSTS", "").split()
+    if not raw:
+        return None
+    if len(raw) % 2:
+        raise ValueError(f"cannot read LSB_MCPU_HOSTS={environ['LSB_MCPU_HOSTS']!r}")
+    return parse_hosts(",".join(f"{raw[i]}:{raw[i + 1]}" for i in range(0, len(raw), 2)))

@@ -25,7 +25,13 @@ from horovod.common.secret import make_secret
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner import ssh
 from horovod.runner.config_file import parse_with_config
-from horovod.runner.hosts import assign_slots, is_local, parse_hostfile, parse_hosts
+from horovod.runner.hosts import (
+    assign_slots,
+    is_local,
+    lsf_hosts,
+    parse_hostfile,
+    parse_hosts,
+)
 from horovod.runner.procs import Command, Job
 
 
@@ -261,6 +267,12 @@ def main(
     if a.check_build:
         print(check_build())
         return 0
+    try:
+        lsf = None if (a.hosts or a.hostfile) else lsf_hosts(os.environ)
+    except ValueError as e:
+        return _error(str(e))
+    if a.np is None and lsf is not None:  # under LSF, -np defaults to the job's slots
+        a.np = sum(h.slots for h in lsf)
     if a.np is None:
         return _error("-np/--num-proc is required (the number of worker processes)")
     if a.np == 0:
@@ -280,6 +292,8 @@ def main(
             if a.hostfile
             else parse_hosts(a.hosts)
             if a.hosts
+            else lsf
+            if lsf is not None
             else parse_hosts(f"localhost:{a.np}")
         )
         slots = assign_slots(hosts, a.np)
