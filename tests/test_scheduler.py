@@ -245,3 +245,45 @@ def test_horovodrun_under_lsf_defaults_np_and_hosts(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("size 2 ") == 2
+
+
+def test_the_kubernetes_manifest_trains_with_its_own_environment(tmp_path):
+    """examples/kubernetes/digits-job.yaml, minus the cluster: two processes get exactly the
+    manifest's variables (pod 0's DNS name replaced by this host) and run its command."""
+    import secrets
+
+    import yaml
+
+    docs = list(yaml.safe_load_all((REPO / "examples/kubernetes/digits-job.yaml").read_text()))
+    job = next(d for d in docs if d["kind"] == "Job")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed"
+    container = spec["template"]["spec"]["containers"][0]
+    values = {e["name"]: e.get("value") for e in container["env"]}
+    assert values["HOROVOD_SIZE"] == str(spec["completions"])
+    assert values["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == f"{job['metadata']['name']}-0.digits"
+    port = _free_port()
+    key = secrets.token_hex(32)
+    procs = []
+    for index in range(spec["completions"]):
+        env = _env({k: v for k, v in values.items() if v is not None})
+        env.update(
+            JOB_COMPLETION_INDEX=str(index),
+            HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1",
+            HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+            HOROVOD_SECRET_KEY=key,
+        )
+        procs.append(
+            subprocess.Popen(
+                container["command"],
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    assert "accuracy" in outs[0][0].lower()
