@@ -253,6 +253,19 @@ class Config:
     start_timeout: float = _knob(
         "HOROVOD_START_TIMEOUT", 30.0, "Seconds horovodrun waits for workers to start.", minimum=0
     )
+    ssh_keepalive_seconds: float = _knob(
+        "HOROVOD_SSH_KEEPALIVE_SECONDS",
+        5.0,
+        "horovodrun: ssh keep-alive interval to other hosts; a host silent for 3 of them is "
+        "lost and the job stops (0 = no keep-alives).",
+        minimum=0,
+    )
+    stop_grace_seconds: float = _knob(
+        "HOROVOD_STOP_GRACE_SECONDS",
+        5.0,
+        "horovodrun: seconds a stopped worker gets between SIGTERM and SIGKILL.",
+        minimum=0,
+    )
     # --- accepted for compatibility, no effect in a CPU/TCP build ---------------------------
     thread_affinity: str = _knob(
         "HOROVOD_THREAD_AFFINITY", "", "Accepted for compatibility; no effect.", inert=True
@@ -306,6 +319,17 @@ class Config:
     @property
     def log_level_name(self) -> str:
         return self.log_level.upper()
+
+
+def setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One knob (by field name) from the environment, parsed and checked as ``from_env`` does;
+    for the launcher, which must not validate a worker's whole identity."""
+    env = os.environ if environ is None else environ
+    f = {f.name: f for f in dataclasses.fields(Config)}[name]
+    raw = env.get(f.metadata["env"])
+    if raw is None or raw.strip() == "":
+        return f.default
+    return _parse_field(f, raw)
 
 
 def env_of(name: str) -> str:

@@ -20,7 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from horovod import __version__
-from horovod.common.config import LOG_LEVELS
+from horovod.common.config import LOG_LEVELS, setting
+from horovod.common.exceptions import ConfigError
 from horovod.common.secret import make_secret
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner import ssh
@@ -299,6 +300,11 @@ def main(
         slots = assign_slots(hosts, a.np)
     except (OSError, ValueError) as e:
         return _error(str(e))
+    try:
+        keepalive = setting("ssh_keepalive_seconds")
+        grace = setting("stop_grace_seconds")
+    except ConfigError as e:
+        return _error(str(e))
     nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
     remote = list(dict.fromkeys(s.hostname for s in slots if not is_local(s.hostname)))
     runs_here = any(s.hostname not in remote for s in slots)
@@ -340,7 +346,6 @@ def main(
     if nics:
         base["HOROVOD_GLOO_IFACE"] = ",".join(nics)
         base["NCCL_SOCKET_IFNAME"] = ",".join(nics)
-    keepalive = float(os.environ.get("HOROVOD_SSH_KEEPALIVE_SECONDS") or 5.0)
     supervisor = ssh.supervisor_command()
     here = ssh.cwd()
     commands = []
@@ -385,6 +390,7 @@ def main(
         commands,
         timestamp=a.prefix_output_with_timestamp,
         output_dir=a.output_filename,
+        grace_seconds=grace,
         failure_note=failure_note,
         diagnosis=diagnosis,
     )

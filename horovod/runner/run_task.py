@@ -25,18 +25,16 @@ def _rank() -> int:
 
 
 def _store():
+    from horovod.common.config import Config
     from horovod.rendezvous.store import HTTPStoreClient
 
-    try:
-        addr = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
-        port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
-        secret = bytes.fromhex(os.environ["HOROVOD_SECRET_KEY"])
-    except (KeyError, ValueError):
+    cfg = Config.from_env()
+    if not cfg.rendezvous_addr or cfg.rendezvous_port <= 0 or not cfg.secret_key:
         raise SystemExit(
             "horovod.runner.run_task runs under horovod.run() (which starts horovodrun), not "
             "on its own"
-        ) from None
-    return HTTPStoreClient(addr, port, secret)
+        )
+    return HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, bytes.fromhex(cfg.secret_key))
 
 
 def main(argv: list[str]) -> int:
