@@ -327,3 +327,23 @@ def test_horovod_run_returns_values_from_ranks_on_every_host(net, workdir):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "VALUES [(0, 'hostA', 30), (1, 'hostB', 30), (2, 'hostB', 30)]" in r.stdout
+
+
+def test_network_interfaces_named_explicitly(net, workdir):
+    r, marker = _horovodrun(
+        net,
+        ["-np", "2", "-H", "hostA:1,hostB:1", "--network-interfaces", "nosuch9,eth0"],
+        COLLECTIVES,
+        workdir,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(_results(r.stdout)) == 2
+    _nothing_left(marker)
+    r, marker = _horovodrun(
+        net,
+        ["-np", "2", "-H", "hostA:1,hostB:1", "--network-interfaces", "nosuch9"],
+        COLLECTIVES,
+        workdir,
+    )
+    assert r.returncode == 2 and "nosuch9" in r.stderr and "eth0" in r.stderr
+    _nothing_left(marker)

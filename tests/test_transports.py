@@ -406,3 +406,26 @@ def test_control_messages_through_shared_memory_keep_order_and_survive_wraparoun
         assert not ts[1].fast_pending()
     finally:
         _close(ts)
+
+
+def test_a_peer_that_sent_everything_and_left_is_not_lost():
+    """The last message of a peer that then exits (its job is done) is still delivered: the
+    receiver was asleep, and wakes to both the data and the peer's closed connection."""
+    for _ in range(5):
+        ts = _make("shm", 2, spin_us=0.0)
+        try:
+            got = np.zeros(1000, np.uint8)
+
+            def fn(r, t):
+                if r == 0:
+                    time.sleep(0.05)  # rank 1 is asleep in its receive by now
+                    t.exchange([(1, as_bytes(np.full(1000, 7, np.uint8)))], [])
+                    t.close()
+                else:
+                    t.exchange([], [(0, as_bytes(got))])
+                return True
+
+            assert all(_run(ts, fn))
+            assert (got == 7).all()
+        finally:
+            ts[1].close()

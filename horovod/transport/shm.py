@@ -584,10 +584,14 @@ class ShmTransport(Transport):
                 if self._aborted is not None:
                     raise TransportError(self._aborted)
                 events = poller.poll(_POLL_MS)
+                # A peer that finished and exited may have left all we need from it in its
+                # slots: only a peer we still wait for with nothing ready is lost.
+                if self._ready(out, inc):
+                    break
                 for fd, _ in events:
                     if fd in watch:
                         self._check_alive(watch[fd])
-                if events or self._ready(out, inc):
+                if events:
                     break
         finally:
             self._exit_sleep()
