@@ -24,9 +24,9 @@ import pytest
 from tests.conftest import REPO
 from tests.netns_hosts import TestNetwork, processes_with, unavailable
 
+_WHY_NOT = unavailable() if sys.platform == "linux" else "Linux only"
 pytestmark = pytest.mark.skipif(
-    sys.platform != "linux" or unavailable() is not None,
-    reason=f"multi-host tests need network namespaces and sshd: {unavailable()}",
+    _WHY_NOT is not None, reason=f"multi-host tests need network namespaces and sshd: {_WHY_NOT}"
 )
 
 

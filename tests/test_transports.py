@@ -416,7 +416,7 @@ def test_a_peer_that_sent_everything_and_left_is_not_lost():
         try:
             got = np.zeros(1000, np.uint8)
 
-            def fn(r, t):
+            def fn(r, t, got=got):
                 if r == 0:
                     time.sleep(0.05)  # rank 1 is asleep in its receive by now
                     t.exchange([(1, as_bytes(np.full(1000, 7, np.uint8)))], [])
