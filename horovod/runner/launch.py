@@ -306,7 +306,8 @@ def main(
     except ConfigError as e:
         return _error(str(e))
     nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
-    remote = list(dict.fromkeys(s.hostname for s in slots if not is_local(s.hostname)))
+    names = dict.fromkeys(s.hostname for s in slots)  # each host resolved once, in order
+    remote = [h for h in names if not is_local(h)]
     runs_here = any(s.hostname not in remote for s in slots)
     if runs_here and shutil.which(command[0]) is None and not os.path.exists(command[0]):
         return _error(f"command not found: {command[0]}")
