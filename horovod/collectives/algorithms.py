@@ -55,6 +55,8 @@ class Hosts:
         self.local = [r for r, h in enumerate(hosts) if h == hosts[me]]
         self.leaders = list(first.values())
         self.members = {h: [r for r, x in enumerate(hosts) if x == h] for h in first}
+        self.local_view: SubTransport | None = None  # set by _hosts()
+        self.leaders_view: SubTransport | None = None  # only on a leader
 
     @property
     def useful(self) -> bool:
@@ -63,11 +65,19 @@ class Hosts:
 
 
 def _hosts(t) -> Hosts | None:
+    """The view's host layout with its local and leaders' sub-views, built once per view."""
+    cached = t.__dict__.get("_host_layout", False)
+    if cached is not False:
+        return cached
     names = getattr(t, "hosts", None)
-    if not names:
-        return None
-    h = Hosts(names, t.rank)
-    return h if h.useful else None
+    h = Hosts(names, t.rank) if names else None
+    if h is not None and h.useful:
+        h.local_view = SubTransport(t, h.local)
+        h.leaders_view = SubTransport(t, h.leaders) if t.rank == h.local[0] else None
+    else:
+        h = None
+    t.__dict__["_host_layout"] = h
+    return h
 
 
 def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:
@@ -225,10 +235,10 @@ def reduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, root: int) -> None
 def hierarchical_allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, hosts: Hosts) -> None:
     """Reduce within each host to its leader (shared memory), allreduce among the leaders
     (across hosts), broadcast within each host. Every rank ends with the leaders' result."""
-    local = SubTransport(t, hosts.local)
+    local = hosts.local_view or SubTransport(t, hosts.local)
     reduce(local, buf, op, scratch, root=0)
     if t.rank == hosts.local[0]:
-        allreduce(SubTransport(t, hosts.leaders), buf, op, scratch)
+        allreduce(hosts.leaders_view or SubTransport(t, hosts.leaders), buf, op, scratch)
     broadcast(local, buf, 0)
 
 
@@ -249,7 +259,7 @@ def hierarchical_allgatherv(t, out: np.ndarray, nbytes: Sequence[int], hosts: Ho
             [(lead, blocks[r]) for lead in others for r in hosts.members[mine]],
             [(lead, blocks[r]) for lead in others for r in hosts.members[hosts.hosts[lead]]],
         )
-    broadcast(SubTransport(t, hosts.local), out, 0)
+    broadcast(hosts.local_view or SubTransport(t, hosts.local), out, 0)
 
 
 def allgatherv(t, out: np.ndarray, nbytes: Sequence[int]) -> None:
