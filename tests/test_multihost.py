@@ -245,19 +245,20 @@ def test_a_host_that_drops_off_the_network_ends_the_job(net, workdir):
     _nothing_left(marker, within=20)
 
 
-def test_ctrl_c_stops_every_worker_on_every_host(net, workdir):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_or_sigterm_stops_every_worker_on_every_host(net, workdir, sig, code):
     proc, marker = _horovodrun(
         net, ["-np", "4", "-H", "hostA:2,hostB:2"], LOOP, workdir, popen=True
     )
     try:
         _wait_for(proc, "running")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130
-    assert "received SIGINT; stopped all 4 workers" in err
+    assert proc.returncode == code
+    assert f"received {sig.name}; stopped all 4 workers" in err
     _nothing_left(marker)
 
 
@@ -271,15 +272,17 @@ def test_a_host_without_ssh_is_refused_before_anything_starts(net, workdir):
     _nothing_left(marker)
 
 
-def test_output_files_and_timestamps_for_remote_ranks(net, workdir):
+def test_hostfile_output_files_and_timestamps_for_remote_ranks(net, workdir):
     out = workdir / "logs"
+    hostfile = workdir / "hosts.txt"
+    hostfile.write_text("# two test hosts\nhostA slots=1\nhostB slots=2\n")
     r, marker = _horovodrun(
         net,
         [
             "-np",
             "3",
-            "-H",
-            "hostA:1,hostB:2",
+            "-hostfile",
+            str(hostfile),
             "--output-filename",
             str(out),
             "--prefix-output-with-timestamp",
