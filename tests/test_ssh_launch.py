@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from horovod.common.net import ipv4_addresses
 from horovod.runner import ssh
 from horovod.runner.procs import Command, Job, Worker, exit_description
 from horovod.runner.remote import MAGIC, parse_payload
@@ -169,7 +170,7 @@ def test_a_missing_directory_runs_in_home_and_says_so(tmp_path):
 
 
 def test_launcher_address_from_interface_list_or_route():
-    lo = [n for n, a in ssh.interface_addresses().items() if a == "127.0.0.1"]
+    lo = [n for n, a in ipv4_addresses().items() if a == "127.0.0.1"]
     assert lo, "this machine has a loopback interface"
     assert ssh.launcher_address(["ignored"], ["nosuch0", lo[0]]) == "127.0.0.1"
     with pytest.raises(ValueError, match="nosuch0"):

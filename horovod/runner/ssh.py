@@ -14,6 +14,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from horovod.common.net import address_towards, ipv4_addresses
 from horovod.runner.remote import MAGIC
 
 # Never copied from the launcher's environment into workers (upstream's rule).
@@ -125,33 +126,13 @@ def resolve(host: str) -> str:
         ) from None
 
 
-def address_towards(addr: str) -> str:
-    """The local IPv4 address the kernel would use to reach ``addr`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, 9))
-        return s.getsockname()[0]
-
-
-def interface_addresses() -> dict[str, str]:
-    """``{interface: first IPv4 address}`` of this machine."""
-    import psutil
-
-    out = {}
-    for name, addrs in psutil.net_if_addrs().items():
-        for a in addrs:
-            if a.family == socket.AF_INET:
-                out[name] = a.address
-                break
-    return out
-
-
 def launcher_address(remote_hosts: Sequence[str], nics: Sequence[str]) -> str:
     """The address remote workers use to reach the launcher's rendezvous store: the address of
     the first of ``nics`` this machine has, else the one the kernel routes towards the first
     remote host (every remote host is checked to be reachable from that interface's side by the
     workers' own connections)."""
     if nics:
-        mine = interface_addresses()
+        mine = ipv4_addresses()
         for nic in nics:
             if nic in mine:
                 return mine[nic]

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from horovod.common.exceptions import TransportError
+from horovod.common.net import address_towards, ipv4_addresses
 from horovod.common.secret import MAC_SIZE, derive, mac, verify
 from horovod.rendezvous.store import Store
 from horovod.transport.base import CtrlHandler, Message, Transport
@@ -60,11 +61,9 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def local_address_towards(addr: str) -> str:
-    """The local IP address the kernel would use to reach ``addr`` (no packet is sent)."""
+    """The local address towards ``addr``; loopback when there is no route."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((addr, 9))
-            return s.getsockname()[0]
+        return address_towards(addr)
     except OSError:
         return "127.0.0.1"
 
@@ -72,13 +71,10 @@ def local_address_towards(addr: str) -> str:
 def interface_address(iface: str) -> str:
     """The IPv4 address of the first interface of the comma-separated ``iface`` list that has
     one on this host (horovodrun's ``--network-interfaces eth0,ib0``)."""
-    import psutil
-
-    have = psutil.net_if_addrs()
+    have = ipv4_addresses()
     for name in (n.strip() for n in iface.split(",")):
-        for a in have.get(name, []):
-            if a.family == socket.AF_INET:
-                return a.address
+        if name in have:
+            return have[name]
     raise TransportError(
         f"HOROVOD_GLOO_IFACE={iface!r}: no such interface with an IPv4 address on this host; "
         f"interfaces here: {', '.join(sorted(have))}"
