@@ -7,7 +7,6 @@ naming, handles and error texts are written once.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -219,22 +218,31 @@ class Compression:
 _tls = threading.local()
 
 
-@contextlib.contextmanager
-def waited() -> Any:
+class _Waited:
     """Ops submitted inside are waited for by this thread right after (``synchronize(x_async(
     ...))``): a sleeping engine thread is not woken for them, the waiting thread runs the
     engine itself (shared-memory jobs). If the block raises, the engine thread is woken after
-    all so that nothing submitted is left behind."""
-    _tls.waited = True
-    try:
-        yield
-    except BaseException:
-        ctx = _context.current()
-        if ctx is not None:
-            ctx.engine.wake()
-        raise
-    finally:
+    all so that nothing submitted is left behind. (A class rather than a generator-based
+    context manager: it sits on the path of every synchronous op.)"""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _tls.waited = True
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         _tls.waited = False
+        if kind is not None:
+            ctx = _context.current()
+            if ctx is not None:
+                ctx.engine.wake()
+
+
+_WAITED = _Waited()
+
+
+def waited() -> _Waited:
+    return _WAITED
 
 
 _INTERNAL: dict[str, bool] = {}  # code file name -> part of this package (memoized)

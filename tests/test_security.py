@@ -209,3 +209,42 @@ def test_control_decoder_refuses_code():
     evil = pickle.dumps(("Q", [os.system]))
     with pytest.raises(pickle.UnpicklingError, match="refused global"):
         decode(evil)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2**40), st.integers(0, 2**40)), max_size=20),
+    st.lists(
+        st.tuples(st.integers(0, 100), st.lists(st.integers(0, 2**40), max_size=10)), max_size=8
+    ),
+)
+def test_compact_control_messages_round_trip(hits, id_lists):
+    """Cache hits and cache-id response lists (steady-state training) travel in a compact
+    binary form; it decodes to exactly what was encoded."""
+    q = ("Q", [("H", ps, cid) for ps, cid in hits])
+    p = ("P", [("K", ps, cids) for ps, cids in id_lists], None, None)
+    for msg in (q, p):
+        wire = encode(msg)
+        assert wire[0] in (1, 2)  # not pickle (0x80)
+        assert decode(wire) == msg
+    # Anything else in the same message keeps the general (pickled) form.
+    mixed = ("P", [("K", 0, [1]), ("R", 1, 2)], None, None)
+    assert encode(mixed)[0] == 0x80 and decode(encode(mixed)) == mixed
+    shutdown = ("P", [("K", 0, [1])], "rank 1 called shutdown()", None)
+    assert decode(encode(shutdown)) == shutdown
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        bytes([1]) + b"\x00" * 7,  # not a whole number of integers
+        bytes([1]) + b"\x00" * 8,  # an odd number of integers for (set, id) pairs
+        bytes([2]) + (0).to_bytes(8, "little") + (5).to_bytes(8, "little"),  # 5 ids promised
+        bytes([2]) + (0).to_bytes(8, "little") + (-1).to_bytes(8, "little", signed=True),
+    ],
+)
+def test_malformed_compact_messages_are_refused(payload):
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError):
+        decode(payload)

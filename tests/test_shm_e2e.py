@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from conftest import run_script
@@ -90,6 +91,45 @@ def test_idle_job_uses_no_cpu():
     assert out.returncode == 0, out.stderr
     used = [float(line.split()[-1]) for line in out.stdout.splitlines() if "idle cpu" in line]
     assert len(used) == 2 and max(used) < 0.02, used
+
+
+def test_engine_thread_takes_over_when_the_waiting_thread_does_not_come_back():
+    """After a synchronous op the waiting thread keeps the engine for a short lease (peers do
+    not wake this rank's engine thread meanwhile). If it then leaves for long, the engine thread
+    must take over when the lease ends: here rank 1 sleeps 0.3 s after a synchronous op while
+    its asynchronous 'a' needs rank 1's engine for rank 0 to finish 'a'. (A long spin makes the
+    waiting thread finish 'b' itself, so the lease is taken; the script checks it was.)"""
+    script = """
+        import time, numpy as np, horovod.numpy as hvd
+        from horovod.core import context
+        hvd.init()
+        engine = context.current().engine
+        for i in range(20):
+            hvd.allreduce(np.ones(10), name="warm")
+        worst, leases = 0.0, 0
+        for i in range(6):
+            if hvd.rank() == 1:
+                h = hvd.allreduce_async(np.ones(10), name="a")
+                hvd.allreduce(np.ones(10), name="b")
+                leases += engine._lease_until > time.perf_counter()
+                time.sleep(0.3)
+                hvd.synchronize(h)
+            else:
+                hvd.allreduce(np.ones(10), name="b")
+                time.sleep(0.005)
+                t0 = time.perf_counter()
+                hvd.allreduce(np.ones(10), name="a")
+                worst = max(worst, time.perf_counter() - t0)
+        print(f"rank {hvd.rank()} worst {worst:.4f} leases {leases}", flush=True)
+    """
+    env = {"HOROVOD_SPIN_MICROSECONDS": "2000", "HOROVOD_CYCLE_TIME": "0.01"}
+    out = run_script(script, env=env)
+    assert out.returncode == 0, out.stderr
+    found = re.findall(r"rank (\d) worst ([\d.]+) leases (\d+)", out.stdout)
+    worst = {int(r): float(w) for r, w, _ in found}
+    leases = {int(r): int(n) for r, _, n in found}
+    assert leases[1] >= 1, out.stdout  # the situation under test happened
+    assert worst[0] < 0.15, out.stdout  # not the 0.3 s until rank 1 came back
 
 
 def test_ranks_with_different_data_plane_settings_get_a_clear_error():

@@ -127,12 +127,17 @@ class WaitStats:
         items = list(arrivals)
         if len(items) < 2:
             return None
-        last_rank, t_last = max(items, key=lambda kv: kv[1])
-        longest = 0.0
+        last_rank, t_last = items[0]
         for r, t in items:
-            if r != last_rank:
-                self.caused[last_rank] += self.cover[r].add(t, t_last)
-                longest = max(longest, t_last - t)
+            if t > t_last:
+                last_rank, t_last = r, t
+        longest = 0.0
+        cover = self.cover
+        for r, t in items:
+            if r != last_rank and t < t_last:
+                self.caused[last_rank] += cover[r].add(t, t_last)
+                if t_last - t > longest:
+                    longest = t_last - t
         self.last[last_rank] += 1
         self.count += 1
         return last_rank, longest

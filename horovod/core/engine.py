@@ -83,6 +83,7 @@ DUPLICATE_NAME = (
 
 
 MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
+LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its wait
 
 
 class Handle:
@@ -195,7 +196,12 @@ class SetState:
         self.id = ps_id
         self.ranks = list(ranks)
         self.member = transport.rank in self.ranks
-        self.view = SubTransport(transport, self.ranks) if self.member else None
+        view: Transport | SubTransport | None = None
+        if self.member:
+            # The set of all ranks needs no translation of ranks: run on the transport itself.
+            identity = self.ranks == list(range(transport.size))
+            view = transport if identity else SubTransport(transport, self.ranks)
+        self.view = view
         self.set_rank = self.ranks.index(transport.rank) if self.member else -1
         self.cache = ResponseCache(
             cache_capacity, keep_evicted=4 * cache_capacity if coordinator else 0
@@ -278,7 +284,13 @@ class Engine:
         self._sleeping = False  # the engine thread is blocked in transport.sleep()
         self._sleep_until: float | None = None
         self._stop_now = False
-        self._linger_until = 0.0  # until then the engine thread leaves work to waiting threads
+        # A thread that has just run the engine to completion is likely back in a moment (a loop
+        # of synchronous calls). Until ``_lease_until`` the engine thread leaves the work to it,
+        # and this rank keeps telling its same-host peers that a thread polls actively, so they
+        # do not pay a wake-up datagram (a system call on their critical path, and a thread
+        # woken here for nothing). When the lease runs out the engine thread takes over.
+        self.lease_s = min(10 * self.spin_s, LEASE_MAX_S)
+        self._lease_until = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"horovod-engine-{rank}", daemon=True
         )
@@ -474,8 +486,21 @@ class Engine:
 
     def _run_fast(self) -> None:
         t = self.transport
+        clock = time.perf_counter
         try:
             while not self._stop_now:
+                lease = self._lease_until - clock()
+                if lease > 0 and not self._busy():
+                    # A waiting thread ran the engine a moment ago and will most likely be
+                    # back: leave the work to it until its lease ends (a kick ends this early).
+                    self._sleep_until = time.monotonic() + lease
+                    self._sleeping = True
+                    try:
+                        if not self._busy():
+                            t.nap(lease)  # type: ignore[attr-defined]
+                    finally:
+                        self._sleeping = False
+                    continue
                 with self.drive:
                     if self._stop_now:
                         break
@@ -484,6 +509,11 @@ class Engine:
                     timeout = self._timeout()
                     if timeout == 0 or self._busy():
                         continue
+                    if self._lease_until > clock():
+                        continue  # a thread ran the engine meanwhile: its lease starts again
+                    # No lease: peers must wake this thread from now on (set before the
+                    # sleep's last look at the rings, so no message slips in between).
+                    t.set_driving(False)  # type: ignore[attr-defined]
                     if self.coordinator is not None:
                         # Wake at least every second: a thread that runs the engine need not
                         # kick this one for far timers (stall checks), only for near ones.
@@ -492,13 +522,6 @@ class Engine:
                     self._sleeping = True
                 try:
                     t.sleep(timeout, self._busy)  # type: ignore[attr-defined]
-                    # Woken right after a waiting thread ran the engine: that thread is likely
-                    # to be back at once (a loop of synchronous calls). Leave the work to it
-                    # rather than take the engine and make it wait on a hand-off; look again
-                    # when that grace period ends.
-                    linger = self._linger_until - time.perf_counter()
-                    if linger > 0 and not self._stop_now:
-                        t.nap(linger)  # type: ignore[attr-defined]
                 finally:
                     self._sleeping = False
         except TransportError as e:
@@ -550,14 +573,27 @@ class Engine:
             raise
         finally:
             done = handle.done()
-            # Done: this thread is probably back soon (a loop of synchronous calls), so the
-            # engine thread leaves new work to it for a moment. Gave up waiting: the engine
-            # thread takes over at once.
-            self._linger_until = time.perf_counter() + self.spin_s if done else 0.0
-            t.set_driving(False)  # type: ignore[attr-defined]
-            _fence()
-            self.drive.release()
-            self._after_drive(force=not done)
+            if done and self.lease_s > 0 and not self._stop_now:
+                # Done: this thread is probably back soon (a loop of synchronous calls). It
+                # keeps the engine for a short lease: "driving" stays published, and the
+                # engine thread leaves new work to it until the lease ends.
+                self._lease_until = time.perf_counter() + self.lease_s
+                _fence()
+                self.drive.release()
+                if self._sleeping:
+                    until = self._sleep_until
+                    if until is None or until > time.monotonic() + 2 * self.lease_s:
+                        # It sleeps past the lease's end and would not take over then.
+                        t.kick()  # type: ignore[attr-defined]
+                    elif self._busy():
+                        t.kick()  # type: ignore[attr-defined]
+            else:
+                # Gave up waiting (or stopping): the engine thread takes over at once.
+                self._lease_until = 0.0
+                t.set_driving(False)  # type: ignore[attr-defined]
+                _fence()
+                self.drive.release()
+                self._after_drive(force=not done)
 
     def _after_drive(self, force: bool = False) -> None:
         """The engine thread may be asleep with a deadline set before this thread ran the
@@ -685,8 +721,14 @@ class Engine:
             ss = self.sets.get(item[1])
             if ss is None or (not ss.member and self.coordinator is None):
                 return None
-            parts = [ss.cache.live[cid] for cid in item[2]]
-            for cid in item[2]:
+            cids = item[2]
+            live = ss.cache.live
+            if len(cids) == 1:
+                cid = cids[0]
+                live.move_to_end(cid)  # most recently used (ResponseCache.touch)
+                return live[cid]
+            parts = [live[cid] for cid in cids]
+            for cid in cids:
                 ss.cache.touch(cid)
             return _merge(parts)
         resp = Response.from_wire(item)
@@ -708,17 +750,18 @@ class Engine:
         ss = self.sets[resp.ps_id]
         if not ss.member:
             return
+        ps_id, table, stats = resp.ps_id, self.table, self.stats
         with self.lock:
-            entries = [self.table.pop((resp.ps_id, n), None) for n in resp.names]
-            if op not in (ERROR, JOIN):
+            entries = [table.pop((ps_id, n), None) for n in resp.names]
+            if op != ERROR and op != JOIN:
                 # Until their handles complete, these entries are failed with the table if
                 # the data plane breaks or raises mid-way.
                 self.running = entries
-        self.stats["responses"] += 1
+        stats["responses"] += 1
         if threading.get_ident() != self._thread.ident:
-            self.stats["responses_run_by_caller"] += 1
-        if len(resp.names) > 1:
-            self.stats["fused_responses"] += 1
+            stats["responses_run_by_caller"] += 1
+        if len(entries) > 1:
+            stats["fused_responses"] += 1
         tl = self.timeline
         if op == ERROR:
             if tl is not None:
@@ -918,6 +961,7 @@ class _Coordinator:
         self.diagnosis: _Diagnosis | None = None
         self.tokens = 0
         self.pending_params: tuple | None = None  # autotune's next parameters, for every rank
+        self.hit_requests: dict[tuple[int, int, int], tuple[Response, Request]] = {}
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -931,24 +975,7 @@ class _Coordinator:
                     if resp is None or ss is None:
                         self.resend.setdefault(peer, []).append((ps_id, cid))
                         continue
-                    op, dtype, shape, reduce_op, root, pre, post, device, extra = resp.request_for(
-                        ss.ranks.index(peer)
-                    )
-                    req = Request(
-                        ps_id,
-                        resp.names[0],
-                        op,
-                        dtype,
-                        shape,
-                        reduce_op,
-                        root,
-                        pre,
-                        post,
-                        device,
-                        resp.group,
-                        extra,
-                    )
-                    self.add(peer, req, cid)
+                    self.add(peer, self._hit_request(ss, resp, peer, cid), cid)
                 else:
                     self.add(peer, Request.from_wire(item[1]), None)
         elif tag == "S":
@@ -961,6 +988,36 @@ class _Coordinator:
             d = self.diagnosis
             if d is not None and msg[1] == d.token:
                 d.stacks[peer] = list(msg[2])
+
+    def _hit_request(self, ss: SetState, resp: Response, peer: int, cid: int) -> Request:
+        """The request a cache hit stands for. Built once per (set, id, rank) and reused while
+        that id resolves to the same response: steady-state training sends the same ids every
+        step. (Nothing modifies a Request once it is submitted.)"""
+        key = (ss.id, cid, peer)
+        memo = self.hit_requests.get(key)
+        if memo is not None and memo[0] is resp:
+            return memo[1]
+        op, dtype, shape, reduce_op, root, pre, post, device, extra = resp.request_for(
+            ss.ranks.index(peer)
+        )
+        req = Request(
+            ss.id,
+            resp.names[0],
+            op,
+            dtype,
+            shape,
+            reduce_op,
+            root,
+            pre,
+            post,
+            device,
+            resp.group,
+            extra,
+        )
+        if len(self.hit_requests) >= 4 * max(1, ss.cache.capacity) * self.e.size:
+            self.hit_requests.clear()  # ids of evicted responses are never sent again
+        self.hit_requests[key] = (resp, req)
+        return req
 
     def add(self, rank: int, req: Request, cid: int | None) -> None:
         if req.op == JOIN:
@@ -1107,6 +1164,9 @@ class _Coordinator:
 
     def _fuse(self, built: list[tuple[Response, int | None]]) -> list[tuple]:
         e = self.e
+        if len(built) == 1:  # a lone response (sequential ops): nothing to fuse
+            head, hcid = built[0]
+            return [("K", head.ps_id, [hcid]) if hcid is not None else head.wire()]
         threshold = e.fusion_threshold
         out: list[tuple] = []
         rest = list(built)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import struct
 from dataclasses import dataclass, field
 
 # Request/response types (upstream's codes), plus pyhorovod's process-set operations.
@@ -274,11 +275,65 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused global {module}.{name} in a control message")
 
 
+# The two messages of steady-state training have a compact binary form (pickle output always
+# starts with 0x80, so the first byte tells them apart): a rank's cache hits, and a response list
+# made only of cache ids. Both are lists of integers, parsed without the unpickler.
+_HITS = 1  # int64 pairs (ps_id, cid): ("Q", [("H", ps_id, cid), ...])
+_IDS = 2  # int64 runs (ps_id, n, cid x n): ("P", [("K", ps_id, [cid, ...]), ...], None, None)
+
+
+def _binary(msg: tuple) -> bytes | None:
+    tag = msg[0]
+    if tag == "Q":
+        items = msg[1]
+        flat: list[int] = []
+        for it in items:
+            if it[0] != "H":
+                return None
+            flat += (it[1], it[2])
+        return bytes((_HITS,)) + struct.pack(f"<{len(flat)}q", *flat)
+    if tag == "P" and len(msg) == 4 and msg[2] is None and msg[3] is None:
+        flat = []
+        for it in msg[1]:
+            if it[0] != "K":
+                return None
+            flat += (it[1], len(it[2]), *it[2])
+        return bytes((_IDS,)) + struct.pack(f"<{len(flat)}q", *flat)
+    return None
+
+
 def encode(msg: tuple) -> bytes:
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        wire = _binary(msg)
+    except (struct.error, TypeError):
+        wire = None
+    return wire if wire is not None else pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _ints(payload: bytes) -> tuple[int, ...]:
+    if (len(payload) - 1) % 8:
+        raise pickle.UnpicklingError("binary control message of a length that is not 1 + 8k")
+    return struct.unpack_from(f"<{(len(payload) - 1) // 8}q", payload, 1)
 
 
 def decode(payload: bytes) -> tuple:
+    kind = payload[0] if payload else -1
+    if kind == _HITS:
+        v = _ints(payload)
+        if len(v) % 2:
+            raise pickle.UnpicklingError("cache-hit message with an odd number of integers")
+        return ("Q", [("H", v[i], v[i + 1]) for i in range(0, len(v), 2)])
+    if kind == _IDS:
+        v = _ints(payload)
+        items = []
+        i = 0
+        while i < len(v):
+            if i + 2 > len(v) or v[i + 1] < 0 or i + 2 + v[i + 1] > len(v):
+                raise pickle.UnpicklingError("cache-id response list with a bad count")
+            n = v[i + 1]
+            items.append(("K", v[i], list(v[i + 2 : i + 2 + n])))
+            i += 2 + n
+        return ("P", items, None, None)
     msg = _SafeUnpickler(io.BytesIO(payload)).load()
     if not isinstance(msg, tuple) or not msg or not isinstance(msg[0], str):
         raise pickle.UnpicklingError("control message is not a tagged tuple")

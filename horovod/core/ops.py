@@ -127,23 +127,26 @@ def _allreduce(
     resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers, trace: Trace, kind: str
 ) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
-    counts = [math.prod(s) for s in resp.shapes]
     post = resp.postscale / t.size if resp.reduce_op == AVERAGE else resp.postscale
     reducer = UFUNCS[resp.reduce_op]
     if len(entries) == 1:
         e = entries[0]
         if e is None:
-            buf = bufs.fusion_view(counts[0] * dtype.itemsize, dtype)
+            buf = bufs.fusion_view(math.prod(resp.shapes[0]) * dtype.itemsize, dtype)
             buf.fill(0)
         else:
             buf = _flat(e.output)
             if e.output is not e.array:
                 np.copyto(buf, _flat(e.array))
-        trace(f"{kind}_ALLREDUCE")
-        scale(buf, resp.prescale)
+        if trace is not _no_trace:
+            trace(f"{kind}_ALLREDUCE")
+        if resp.prescale != 1.0:
+            scale(buf, resp.prescale)
         alg.allreduce(t, buf, reducer, bufs.scratch)
-        scale(buf, post)
+        if post != 1.0:
+            scale(buf, post)
         return [None if e is None else e.output]
+    counts = [math.prod(s) for s in resp.shapes]
     total = sum(counts)
     trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(total * dtype.itemsize, dtype)

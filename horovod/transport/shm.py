@@ -366,6 +366,16 @@ class ShmTransport(Transport):
     # ---------------------------------------------------------------- data plane
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         chunk, out, inc = self.chunk, self._out, self._in
+        if len(sends) == 1 and len(recvs) == 1:
+            (peer, smv), (rpeer, rmv) = sends[0], recvs[0]
+            if (
+                peer == rpeer
+                and peer in out
+                and 0 < smv.nbytes <= chunk
+                and 0 < rmv.nbytes <= chunk
+            ):
+                self._swap_small(peer, smv, rmv)
+                return
         for peer, mv in sends:
             if mv.nbytes > chunk or peer not in out:
                 break
@@ -377,6 +387,42 @@ class ShmTransport(Transport):
                 self._exchange_small(sends, recvs)
                 return
         self.exchange_reduce(sends, recvs, ())
+
+    def _swap_small(self, peer: int, smv: memoryview, rmv: memoryview) -> None:
+        """One slot-sized message each way with one same-host peer (2-rank small collectives,
+        the latency path): ``_exchange_small`` without its lists and sets."""
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        nslots = self.nslots
+        ch_out, ch_in = self._out[peer], self._in[peer]
+        sent = recvd = False
+        while True:
+            moved = False
+            if not sent and ch_out.count - ch_out.rd[0] < nslots:
+                ch_out.slots[ch_out.count % nslots][: smv.nbytes] = smv.cast("B")
+                ch_out.count += 1
+                _order()
+                ch_out.wr[0] = ch_out.count
+                sent = moved = True
+            if not recvd and ch_in.count < ch_in.wr[0]:
+                _order()
+                rmv.cast("B")[:] = ch_in.slots[ch_in.count % nslots][: rmv.nbytes]
+                ch_in.count += 1
+                _order()
+                ch_in.rd[0] = ch_in.count
+                recvd = moved = True
+            if moved:
+                self._wake(peer)
+                if sent and recvd:
+                    return
+            else:
+                self._wait(
+                    {} if sent else {peer: None},
+                    {} if recvd else {peer: None},
+                    {},
+                    {},
+                    max(smv.nbytes, rmv.nbytes),
+                )
 
     def _exchange_small(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         """Every message fits one slot and every peer shares this host (small collectives):
@@ -623,6 +669,8 @@ class ShmTransport(Transport):
     def set_driving(self, on: bool) -> None:
         """While a thread runs the engine and polls actively, the engine thread's sleep needs
         no wake-ups from peers (that thread kicks it if it leaves work behind)."""
+        if self._driving is on:
+            return  # only the thread holding the engine's drive lock changes it
         with self._sleep_lock:
             self._driving = on
             self._publish_asleep()
@@ -687,10 +735,11 @@ class ShmTransport(Transport):
         """Control messages that same-host ranks sent (complete ones, in order per peer)."""
         got: list[tuple[int, bytes]] = []
         for peer, ring in self._rin.items():
-            if ring.take() == RING:
+            if ring.count != ring.wr[0] and ring.take() == RING:
                 self._wake(peer, ctrl=True)  # the ring was full: it may wait for room
-            for payload in ring.frames():
-                got.append((peer, payload))
+            if ring.acc:
+                for payload in ring.frames():
+                    got.append((peer, payload))
         for peer, ring in self._rout.items():
             if ring.pending and ring.flush():
                 self._wake(peer, ctrl=True)
