@@ -338,3 +338,41 @@ def test_large_group_submits_quickly_and_correctly():
         return all(int(o[0]) == 2 * i for i, o in enumerate(out))
 
     assert run_ranks(body, 2) == [True, True]
+
+
+def test_response_cache_memoised_signatures_follow_replacement_and_set_rank():
+    """The cache keeps each entry's expected request per set rank (computed once); a new
+    response for the same name gets a new id and a new signature."""
+    from horovod.core.cache import ResponseCache
+    from horovod.core.messages import ALLGATHER, ALLREDUCE, Response
+
+    cache = ResponseCache(4)
+    r1 = Response(ALLREDUCE, 0, ["allreduce.g"], dtype=7, shapes=[(3,)])
+    cid = cache.put(r1)
+    sig = r1.request_for(0)
+    assert cache.lookup("allreduce.g", sig, 0) == cid
+    assert cache.lookup("allreduce.g", sig, 0) == cid  # memoised, same answer
+    changed = (sig[0], sig[1], (4,)) + sig[3:]
+    assert cache.lookup("allreduce.g", changed, 0) is None
+    r2 = Response(ALLREDUCE, 0, ["allreduce.g"], dtype=7, shapes=[(4,)])
+    cid2 = cache.put(r2)
+    assert cid2 != cid and cache.lookup("allreduce.g", changed, 0) == cid2
+    assert cache.lookup("allreduce.g", sig, 0) is None
+    # Allgather: what each set rank sent differs (its own first dimension).
+    g = Response(ALLGATHER, 0, ["allgather.x"], dtype=7, shapes=[(2, 5)], dim0s=[[2, 3]])
+    gid = cache.put(g)
+    assert cache.lookup("allgather.x", g.request_for(1), 1) == gid
+    assert cache.lookup("allgather.x", g.request_for(1), 0) is None
+    assert cache.lookup("allgather.x", g.request_for(0), 0) == gid
+
+
+def test_response_nbytes_memo_follows_replaced_shapes():
+    from horovod.core.messages import ALLREDUCE, Response
+
+    r = Response(ALLREDUCE, 0, ["a", "b"], dtype=7, shapes=[(2, 3), (4,)])
+    assert r.nbytes(4) == 40 and r.nbytes(4) == 40 and r.nbytes(8) == 80
+    r.shapes = [(1,)]
+    assert r.nbytes(4) == 4
+    used = Response(ALLREDUCE, 0, ["a"], shapes=[(1,)])
+    used.nbytes(4)
+    assert used == Response(ALLREDUCE, 0, ["a"], shapes=[(1,)])  # the memo is not compared

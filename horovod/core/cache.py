@@ -24,6 +24,7 @@ class ResponseCache:
         self.keep_evicted = keep_evicted
         self.live: OrderedDict[int, Response] = OrderedDict()  # LRU order, oldest first
         self.by_name: dict[str, int] = {}
+        self.signatures: dict[int, tuple] = {}  # live id -> (set rank, request it stands for)
         self.grave: OrderedDict[int, Response] = OrderedDict()
         self.next_id = 0
         self.evictions = 0
@@ -40,7 +41,10 @@ class ResponseCache:
         cid = self.by_name.get(name)
         if cid is None:
             return None
-        return cid if self.live[cid].request_for(set_rank) == signature else None
+        memo = self.signatures.get(cid)
+        if memo is None or memo[0] != set_rank:  # computed once per entry and set rank
+            memo = self.signatures[cid] = (set_rank, self.live[cid].request_for(set_rank))
+        return cid if memo[1] == signature else None
 
     def resolve(self, cid: int) -> Response | None:
         return self.live.get(cid) or self.grave.get(cid)
@@ -66,6 +70,7 @@ class ResponseCache:
 
     def _bury(self, cid: int) -> None:
         resp = self.live.pop(cid)
+        self.signatures.pop(cid, None)
         if self.keep_evicted:
             self.grave[cid] = resp
             while len(self.grave) > self.keep_evicted:

@@ -962,6 +962,7 @@ class _Coordinator:
         self.tokens = 0
         self.pending_params: tuple | None = None  # autotune's next parameters, for every rank
         self.hit_requests: dict[tuple[int, int, int], tuple[Response, Request]] = {}
+        self.arrivals: list[dict[int, float]] = []  # for self.waits, not yet recorded
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -1029,19 +1030,24 @@ class _Coordinator:
                 self.ready.append((0, "__join__"))
             return
         now = self.e.clock()
-        table = self.tables.setdefault(req.ps_id, {})
-        p = table.get(req.name) or table.setdefault(req.name, _Pending(now))
-        if not p.reqs:
+        ps_id, name = req.ps_id, req.name
+        table = self.tables.get(ps_id)
+        if table is None:
+            table = self.tables[ps_id] = {}
+        pend = table.get(name)
+        if pend is None:
+            pend = table[name] = _Pending(now)
+        if not pend.reqs:
             self.partial += 1
-        p.reqs[rank] = req
-        p.cids[rank] = cid
-        p.times[rank] = now
+        pend.reqs[rank] = req
+        pend.cids[rank] = cid
+        pend.times[rank] = now
         tl = self.e.timeline
         if tl is not None:
-            tl.negotiate_ready(_row(req.ps_id, req.name), OP_NAMES.get(req.op, "?"), rank, now)
-        self._check_ready(req.ps_id, req.name, p)
+            tl.negotiate_ready(_row(ps_id, name), OP_NAMES.get(req.op, "?"), rank, now)
+        self._check_ready(ps_id, name, pend, now)
 
-    def _check_ready(self, ps_id: int, name: str, p: _Pending) -> None:
+    def _check_ready(self, ps_id: int, name: str, p: _Pending, now: float | None = None) -> None:
         if p.ready:
             return
         ss = self.e.sets.get(ps_id)
@@ -1054,13 +1060,18 @@ class _Coordinator:
         if len(p.reqs) >= need:
             p.ready = True
             self.partial -= 1
-            now = self.e.clock()
+            if now is None:
+                now = self.e.clock()
             if not self.ready:
                 self.ready_since = now
             self.ready.append((ps_id, name))
-            slowest = self.waits.record(p.times.items())
             tl = self.e.timeline
-            if tl is not None:
+            if tl is None:
+                # Wait attribution is bookkeeping: done after the response list is sent.
+                self.arrivals.append(p.times)
+            else:
+                self.record_arrivals()  # in order
+                slowest = self.waits.record(p.times.items())
                 if slowest is None:
                     tl.negotiate_end(_row(ps_id, name), now)
                 else:
@@ -1127,7 +1138,14 @@ class _Coordinator:
             wire = encode(msg)
             for p in range(1, e.size):
                 e._send(p, wire)
+        self.record_arrivals()
         return msg
+
+    def record_arrivals(self) -> None:
+        waits = self.waits
+        for times in self.arrivals:
+            waits.record(times.items())
+        self.arrivals.clear()
 
     # ----------------------------------------------------------- building responses
     def _build(self, ps_id: int, name: str) -> tuple[Response, int | None]:
@@ -1137,7 +1155,7 @@ class _Coordinator:
             return Response(JOIN, 0, ["join.noname"], last_joined=last), None
         p = self.tables[ps_id].pop(name)
         ss = self.e.sets.get(ps_id)
-        joined = tuple(r for r in self.joined if ps_id == 0)
+        joined = tuple(self.joined) if ps_id == 0 and self.joined else ()
         if ss is None:
             return Response(
                 ERROR,
@@ -1211,6 +1229,7 @@ class _Coordinator:
 
     # ----------------------------------------------------------- wait attribution
     def report_waits(self, now: float) -> None:
+        self.record_arrivals()
         text = self.waits.summary(now)
         if text is not None:
             logger.info(text)

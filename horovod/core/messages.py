@@ -154,6 +154,9 @@ class Response:
     extra: object = None
     group: int = -1
     device: int = CPU_DEVICE
+    # nbytes() memo: (shapes list it was computed for, itemsize, value). Cached responses are
+    # fused again every step; their shapes never change (merging builds new lists).
+    _nb: tuple | None = field(default=None, compare=False, repr=False)
 
     def wire(self) -> tuple:
         return (
@@ -260,6 +263,14 @@ class Response:
         )
 
     def nbytes(self, itemsize: int) -> int:
+        memo = self._nb
+        if memo is not None and memo[0] is self.shapes and memo[1] == itemsize:
+            return memo[2]
+        total = self._count_bytes(itemsize)
+        self._nb = (self.shapes, itemsize, total)
+        return total
+
+    def _count_bytes(self, itemsize: int) -> int:
         total = 0
         for i, s in enumerate(self.shapes):
             n = math.prod(s)

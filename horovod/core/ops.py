@@ -150,14 +150,18 @@ def _allreduce(
     total = sum(counts)
     trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(total * dtype.itemsize, dtype)
-    off = 0
-    for e, c in zip(entries, counts, strict=False):
-        seg = buf[off : off + c]
-        if e is None:
-            seg.fill(0)
-        else:
-            np.copyto(seg, _flat(e.array))
-        off += c
+    if all(e is not None for e in entries):
+        # One C loop for all the copies in (fused gradients: often hundreds of small ones).
+        np.concatenate([e.array.reshape(-1) for e in entries], out=buf)  # type: ignore[union-attr]
+    else:
+        off = 0
+        for e, c in zip(entries, counts, strict=False):
+            seg = buf[off : off + c]
+            if e is None:
+                seg.fill(0)
+            else:
+                np.copyto(seg, _flat(e.array))
+            off += c
     trace(f"{kind}_ALLREDUCE")
     scale(buf, resp.prescale)
     alg.allreduce(t, buf, reducer, bufs.scratch)
@@ -165,13 +169,16 @@ def _allreduce(
     trace("MEMCPY_OUT_FUSION_BUFFER")
     off = 0
     results: list = []
+    copyto = np.copyto
     for e, c in zip(entries, counts, strict=False):
+        end = off + c
         if e is not None:
-            np.copyto(_flat(e.output), buf[off : off + c])
-            results.append(e.output)
+            out = e.output
+            copyto(out.reshape(-1), buf[off:end])
+            results.append(out)
         else:
             results.append(None)
-        off += c
+        off = end
     return results
 
 
