@@ -110,8 +110,11 @@ SCRIPT = """
     import horovod.numpy as hvd
     hvd.init()
     s = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum, name="x")
-    print("rank", hvd.rank(), "size", hvd.size(), "local", hvd.local_rank(), hvd.local_size(),
-          "cross", hvd.cross_rank(), hvd.cross_size(), "sum", float(s[0]), flush=True)
+    # One write per line: print() with several arguments may write them piecewise (an
+    # unbuffered stdout), and two ranks' pieces then interleave in the launcher's output.
+    line = (f"rank {hvd.rank()} size {hvd.size()} local {hvd.local_rank()} {hvd.local_size()} "
+            f"cross {hvd.cross_rank()} {hvd.cross_size()} sum {float(s[0])}\\n")
+    os.write(1, line.encode())
     hvd.shutdown()
 """
 
