@@ -87,6 +87,28 @@ class _Chan:
         self.slots = [mv[first + i * chunk : first + (i + 1) * chunk] for i in range(nslots)]
         self.count = 0  # this side's own counter (written or read so far)
 
+    def put(self, mv: memoryview) -> bool:
+        """Sender: copy ``mv`` (at most one slot) into the next slot if one is free."""
+        n = len(self.slots)
+        if self.count - self.rd[0] >= n:
+            return False
+        self.slots[self.count % n][: mv.nbytes] = mv.cast("B")
+        self.count += 1
+        _order()
+        self.wr[0] = self.count
+        return True
+
+    def get(self, mv: memoryview) -> bool:
+        """Receiver: copy the next slot into ``mv`` if the sender has filled it."""
+        if self.count >= self.wr[0]:
+            return False
+        _order()
+        mv.cast("B")[:] = self.slots[self.count % len(self.slots)][: mv.nbytes]
+        self.count += 1
+        _order()
+        self.rd[0] = self.count
+        return True
+
 
 class _Ring:
     """A byte stream of framed control messages from one rank to another."""
@@ -104,6 +126,19 @@ class _Ring:
 
     def room(self) -> int:
         return RING - (self.count - self.rd[0])
+
+    def put(self, frame: bytes) -> bool:
+        """Sender: write ``frame`` at once if nothing is queued before it and it fits without
+        wrapping around (the common case); False: queue it for ``flush``."""
+        n = len(frame)
+        pos = self.count % RING
+        if self.pending or pos + n > RING or self.room() < n:
+            return False
+        self.data[pos : pos + n] = frame
+        self.count += n
+        _order()
+        self.wr[0] = self.count
+        return True
 
     def flush(self) -> bool:
         """Sender: copy queued frames in as far as they fit; True if anything was written."""
@@ -393,23 +428,13 @@ class ShmTransport(Transport):
         the latency path): ``_exchange_small`` without its lists and sets."""
         if self._aborted is not None:
             raise TransportError(self._aborted)
-        nslots = self.nslots
         ch_out, ch_in = self._out[peer], self._in[peer]
         sent = recvd = False
         while True:
             moved = False
-            if not sent and ch_out.count - ch_out.rd[0] < nslots:
-                ch_out.slots[ch_out.count % nslots][: smv.nbytes] = smv.cast("B")
-                ch_out.count += 1
-                _order()
-                ch_out.wr[0] = ch_out.count
+            if not sent and ch_out.put(smv):
                 sent = moved = True
-            if not recvd and ch_in.count < ch_in.wr[0]:
-                _order()
-                rmv.cast("B")[:] = ch_in.slots[ch_in.count % nslots][: rmv.nbytes]
-                ch_in.count += 1
-                _order()
-                ch_in.rd[0] = ch_in.count
+            if not recvd and ch_in.get(rmv):
                 recvd = moved = True
             if moved:
                 self._wake(peer)
@@ -429,7 +454,6 @@ class ShmTransport(Transport):
         the same protocol as ``exchange_reduce`` without its per-message bookkeeping."""
         if self._aborted is not None:
             raise TransportError(self._aborted)
-        nslots = self.nslots
         outs = [(p, self._out[p], mv) for p, mv in sends if mv.nbytes]
         ins = [(p, self._in[p], mv) for p, mv in recvs if mv.nbytes]
         while outs or ins:
@@ -439,11 +463,7 @@ class ShmTransport(Transport):
                 blocked: set[int] = set()
                 for item in outs:  # in order: a blocked message blocks the later ones to its peer
                     peer, ch, mv = item
-                    if peer not in blocked and ch.count - ch.rd[0] < nslots:
-                        ch.slots[ch.count % nslots][: mv.nbytes] = mv.cast("B")
-                        ch.count += 1
-                        _order()
-                        ch.wr[0] = ch.count
+                    if peer not in blocked and ch.put(mv):
                         touched.add(peer)
                     else:
                         blocked.add(peer)
@@ -454,12 +474,7 @@ class ShmTransport(Transport):
                 blocked = set()
                 for item in ins:
                     peer, ch, mv = item
-                    if peer not in blocked and ch.count < ch.wr[0]:
-                        _order()
-                        mv.cast("B")[:] = ch.slots[ch.count % nslots][: mv.nbytes]
-                        ch.count += 1
-                        _order()
-                        ch.rd[0] = ch.count
+                    if peer not in blocked and ch.get(mv):
                         touched.add(peer)
                     else:
                         blocked.add(peer)
@@ -728,13 +743,7 @@ class ShmTransport(Transport):
         if self._aborted is not None:
             raise TransportError(self._aborted)
         frame = len(payload).to_bytes(FRAME, "little") + payload
-        n = len(frame)
-        pos = ring.count % RING
-        if not ring.pending and pos + n <= RING and RING - (ring.count - ring.rd[0]) >= n:
-            ring.data[pos : pos + n] = frame  # the common case: room, no wrap, nothing queued
-            ring.count += n
-            _order()
-            ring.wr[0] = ring.count
+        if ring.put(frame):
             self._wake(peer, ctrl=True)
             return
         ring.pending.append(memoryview(frame))
