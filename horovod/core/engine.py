@@ -721,15 +721,10 @@ class Engine:
             ss = self.sets.get(item[1])
             if ss is None or (not ss.member and self.coordinator is None):
                 return None
-            cids = item[2]
-            live = ss.cache.live
-            if len(cids) == 1:
-                cid = cids[0]
-                live.move_to_end(cid)  # most recently used (ResponseCache.touch)
-                return live[cid]
-            parts = [live[cid] for cid in cids]
-            for cid in cids:
-                ss.cache.touch(cid)
+            cache = ss.cache
+            parts = [cache.live[cid] for cid in item[2]]
+            for cid in item[2]:
+                cache.touch(cid)
             return _merge(parts)
         resp = Response.from_wire(item)
         ss = self.sets.get(resp.ps_id)
