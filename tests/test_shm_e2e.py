@@ -32,6 +32,64 @@ def test_ranks_on_one_host_use_shared_memory_and_tcp_when_disabled():
     assert out.stdout.count("transport TcpTransport") == 2
 
 
+def _can_read_a_child_process() -> bool:
+    """Would single-copy reads work between processes here (the same check the ranks make)?"""
+    import ctypes
+
+    from horovod.transport import cma
+
+    if not cma.available():
+        return False
+    buf = ctypes.create_string_buffer(b"probe-bytes", 16)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    try:
+        got = ctypes.create_string_buffer(16)
+        cma.read(pid, ctypes.addressof(buf), ctypes.addressof(got), 16)
+        return got.raw == buf.raw
+    except OSError:
+        return False
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+
+
+def test_large_messages_move_by_single_copy_between_processes():
+    """Allreduce, allgather and broadcast of messages above the single-copy threshold (2 MiB by
+    default) between real processes: exact results, and the ranks agree whether it is on."""
+    script = """
+        import numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        print("single_copy", current().engine.transport.single_copy, flush=True)
+        n = 3 << 20  # float32: 12 MiB
+        base = np.arange(n, dtype=np.float32) % 977
+        s = hvd.allreduce(base + hvd.rank(), op=hvd.Sum)
+        assert np.array_equal(s, base * 2 + 1), "allreduce"
+        g = hvd.allgather(np.full((n // 2,), hvd.rank() + 1, np.float32))
+        assert (g[: n // 2] == 1).all() and (g[n // 2 :] == 2).all(), "allgather"
+        b = hvd.broadcast(base + 10 * hvd.rank(), root_rank=1)
+        assert np.array_equal(b, base + 10), "broadcast"
+        print("exact", flush=True)
+    """
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("exact") == 2
+    values = set(re.findall(r"single_copy (\d+)", out.stdout))
+    assert len(values) == 1, out.stdout
+    if _can_read_a_child_process():
+        assert values == {str(2 * 1024 * 1024)}
+    out = run_script(script, env={"HOROVOD_SHM_SINGLE_COPY_BYTES": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("single_copy 0") == 2 and out.stdout.count("exact") == 2
+
+
 def test_mixed_sync_async_ops_from_several_threads_stay_exact():
     """Application threads take turns running the engine; async ops are left to the engine
     thread. Every result is checked."""

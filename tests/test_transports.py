@@ -22,12 +22,13 @@ from horovod.transport.shm import ShmTransport
 from horovod.transport.tcp import TcpTransport
 
 SECRET = b"k" * 32
-KINDS = ["loopback", "tcp", "shm"]
+KINDS = ["loopback", "tcp", "shm", "shm-direct"]
 CHUNK = 4096  # small slots: every larger message is cut into many chunks and wraps around
 
 
 def _make(kind: str, n: int, *, store=None, secret=SECRET, chunk=CHUNK, slots=2, spin_us=20.0):
-    """n connected transports of ``kind`` (built concurrently, as ranks would)."""
+    """n connected transports of ``kind`` (built concurrently, as ranks would). "shm-direct":
+    shared memory with single-copy reads for every message of more than one chunk."""
     store = store or MemoryStore()
     world = LoopbackWorld(n) if kind == "loopback" else None
     out: list = [None] * n
@@ -41,7 +42,7 @@ def _make(kind: str, n: int, *, store=None, secret=SECRET, chunk=CHUNK, slots=2,
             t = TcpTransport(
                 r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
             )
-            if kind == "shm":
+            if kind.startswith("shm"):
                 t = ShmTransport(
                     t,
                     list(range(n)),
@@ -52,7 +53,9 @@ def _make(kind: str, n: int, *, store=None, secret=SECRET, chunk=CHUNK, slots=2,
                     slots=slots,
                     spin_us=spin_us,
                     timeout=10,
+                    single_copy=1 if kind == "shm-direct" else 0,
                 )
+                assert t.single_copy == (chunk + 1 if kind == "shm-direct" else 0)
             out[r] = t
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
@@ -317,6 +320,150 @@ def test_very_large_message_through_default_slots():
             return bool((x == 3).all())
 
         assert all(_run(ts, fn, timeout=120))
+    finally:
+        _close(ts)
+
+
+def test_very_large_messages_by_single_copy_with_default_settings():
+    """Default slots and the default threshold: the reduce-scatter reads the peer's half in
+    chunk-sized pieces and reduces them, the allgather reads it at once into place."""
+    ts = _make("shm-direct", 2, chunk=1 << 20, slots=4)
+    try:
+        assert all(t.single_copy == (1 << 20) + 1 for t in ts)
+        n = 40 << 20
+
+        def fn(r, t):
+            x = np.arange(n // 4, dtype=np.float32) % 1000 + r
+            alg.allreduce(t, x, np.add, Scratch())
+            return bool(np.array_equal(x, np.arange(n // 4, dtype=np.float32) % 1000 * 2 + 1))
+
+        assert all(_run(ts, fn, timeout=120))
+    finally:
+        _close(ts)
+
+
+def test_ranks_agree_on_two_copies_when_one_cannot_read_the_others(monkeypatch, caplog):
+    """One rank's probe read fails (as under a seccomp filter or Yama mode 2): every rank
+    keeps the two-copy path, says why, and large messages still arrive."""
+    from horovod.transport import cma
+
+    real, calls, lock = cma.read, [], threading.Lock()
+
+    def first_fails(pid, remote, dst, nbytes):
+        with lock:
+            calls.append(1)
+            first = len(calls) == 1
+        if first:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, remote, dst, nbytes)
+
+    monkeypatch.setattr(cma, "read", first_fails)
+    caplog.set_level("INFO", logger="horovod")
+    store = MemoryStore()
+
+    def build(r, out):
+        tcp = TcpTransport(
+            r, 3, store=store, scope="s", secret=SECRET, advertise="127.0.0.1", timeout=10
+        )
+        out[r] = ShmTransport(
+            tcp,
+            [0, 1, 2],
+            store=store,
+            scope="s",
+            secret=SECRET,
+            chunk=CHUNK,
+            slots=2,
+            spin_us=20,
+            timeout=10,
+            single_copy=1,
+        )
+
+    out: list = [None] * 3
+    threads = [threading.Thread(target=build, args=(r, out)) for r in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(20)
+    try:
+        assert [t.single_copy for t in out] == [0, 0, 0]
+        assert "single-copy transfers off" in caplog.text
+        assert "Operation not permitted" in caplog.text
+
+        def fn(r, t):
+            x = np.full(10 * CHUNK, r + 1, np.float32)
+            alg.allreduce(t, x, np.add, Scratch())
+            return bool((x == 6).all())
+
+        assert all(_run(out, fn))
+    finally:
+        _close(out)
+
+
+def _run_collect(ts, fn, timeout=20):
+    """Like ``_run`` but returns (results, errors by rank) instead of asserting success."""
+    res: list = [None] * len(ts)
+    errs: dict = {}
+
+    def go(r):
+        try:
+            res[r] = fn(r, ts[r])
+        except BaseException as e:
+            errs[r] = e
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(len(ts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    assert not any(th.is_alive() for th in threads), "a rank hung"
+    return res, errs
+
+
+def test_single_copy_length_mismatch_is_reported_and_does_not_hang():
+    ts = _make("shm-direct", 2)
+    try:
+
+        def fn(r, t):
+            if r == 0:
+                t.exchange([(1, memoryview(np.zeros(5 * CHUNK, np.uint8)))], [])
+            else:
+                try:
+                    t.exchange([], [(0, memoryview(np.zeros(6 * CHUNK, np.uint8)))])
+                except TransportError as e:
+                    t.abort(f"rank 1 failed: {e}")
+                    raise
+
+        _, errs = _run_collect(ts, fn)
+        assert set(errs) == {0, 1}
+        assert "posted a 20480-byte message where rank 1 expected 24576 bytes" in str(errs[1])
+        assert isinstance(errs[0], TransportError)
+    finally:
+        _close(ts)
+
+
+def test_a_failed_single_copy_read_names_the_peer_and_the_way_out(monkeypatch):
+    from horovod.transport import cma
+
+    ts = _make("shm-direct", 2)
+    try:
+
+        def gone(pid, remote, dst, nbytes):
+            raise OSError(14, "Bad address")
+
+        monkeypatch.setattr(cma, "read", gone)
+
+        def fn(r, t):
+            buf = np.zeros(3 * CHUNK, np.uint8)
+            try:
+                t.exchange([(1 - r, memoryview(buf))], [(1 - r, memoryview(buf.copy()))])
+            except TransportError as e:
+                t.abort(str(e))
+                raise
+
+        _, errs = _run_collect(ts, fn)
+        text = " ".join(str(e) for e in errs.values())
+        assert "could not read a message from rank" in text
+        assert "HOROVOD_SHM_SINGLE_COPY_BYTES=0" in text
     finally:
         _close(ts)
 

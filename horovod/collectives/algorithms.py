@@ -303,7 +303,7 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
     mask = 1
     while mask < n:
         if vr & mask:
-            t.exchange([], [(((vr - mask) + root) % n, view)])
+            t.exchange_oneway([], [(((vr - mask) + root) % n, view)])
             break
         mask <<= 1
     mask >>= 1
@@ -313,7 +313,7 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
             sends.append((((vr + mask) + root) % n, view))
         mask >>= 1
     if sends:
-        t.exchange(sends, [])
+        t.exchange_oneway(sends, [])
 
 
 def _broadcast_chain(t, buf: np.ndarray, root: int) -> None:

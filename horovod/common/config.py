@@ -204,6 +204,14 @@ class Config:
         "Shared-memory slots per pair of ranks (chunks in flight between two ranks).",
         minimum=1,
     )
+    shm_single_copy_bytes: int = _knob(
+        "HOROVOD_SHM_SINGLE_COPY_BYTES",
+        2 * 1024 * 1024,
+        "Messages between ranks of one host of more than one slot and at least this many "
+        "bytes are read straight from the sender's memory (Linux cross-memory attach: one "
+        "copy instead of two), where every rank of the host can; 0 turns it off.",
+        minimum=0,
+    )
     spin_microseconds: float = _knob(
         "HOROVOD_SPIN_MICROSECONDS",
         100.0,

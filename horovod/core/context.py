@@ -251,6 +251,7 @@ def _data_plane_settings(cfg: Config) -> list[tuple[str, object]]:
             "shared_memory",
             "shm_chunk_bytes",
             "shm_slots",
+            "shm_single_copy_bytes",
             "hierarchical_allreduce",
             "hierarchical_allgather",
         )
@@ -463,6 +464,7 @@ class Context:
             slots=cfg.shm_slots,
             spin_us=cfg.spin_microseconds,
             timeout=cfg.timeout_seconds,
+            single_copy=cfg.shm_single_copy_bytes,
         )
 
     @staticmethod

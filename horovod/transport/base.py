@@ -85,6 +85,13 @@ class Transport(ABC):
         for (_, dst, op), tmp in zip(reduces, tmps, strict=True):
             op(dst, tmp, out=dst)
 
+    def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        """``exchange`` for a step whose data flows one way between each pair (a broadcast
+        tree: the sender has nothing else to do). The shared-memory transport then keeps both
+        sides copying (pipelined through its slots) instead of letting the receiver read
+        everything alone; both sides of a pair must use the same form."""
+        self.exchange(sends, recvs)
+
     @abstractmethod
     def send_ctrl(self, peer: int, payload: bytes) -> None: ...
 
@@ -117,6 +124,10 @@ class SubTransport:
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks
         self.parent.exchange([(r[p], m) for p, m in sends], [(r[p], m) for p, m in recvs])
+
+    def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        r = self.ranks
+        self.parent.exchange_oneway([(r[p], m) for p, m in sends], [(r[p], m) for p, m in recvs])
 
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]

@@ -26,11 +26,13 @@ part, so two jobs on one host never collide. If any local rank cannot create or 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import platform
 import select
 import socket
+import struct
 import sys
 import tempfile
 import threading
@@ -43,6 +45,7 @@ from horovod.common import log
 from horovod.common.exceptions import TransportError
 from horovod.common.shm_names import PREFIX, job_id, shm_dir
 from horovod.rendezvous.store import Store
+from horovod.transport import cma
 from horovod.transport.base import (
     CtrlHandler,
     Message,
@@ -56,6 +59,7 @@ from horovod.transport.base import (
 PAGE = 4096
 RING = 256 * 1024  # control-message ring per pair and direction
 FRAME = 8  # little-endian length before each control message
+_DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
 _POLL_MS = 200
 _STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
@@ -202,12 +206,18 @@ class _Ring:
 
 
 class _Pending:
-    """A message in progress over a channel: bytes (copy) or an array to reduce into."""
+    """A message in progress over a channel: bytes (copy) or an array to reduce into.
+    ``direct``: it moves by single copy (the sender posts its address in one slot, the receiver
+    reads it from the sender's memory); ``ack``: the channel count at which the receiver is done
+    with a posted direct send (0 before it is posted)."""
 
-    __slots__ = ("mv", "dst", "op", "off")
+    __slots__ = ("mv", "dst", "op", "off", "direct", "ack")
 
-    def __init__(self, mv: memoryview, dst: np.ndarray | None = None, op=None) -> None:
+    def __init__(
+        self, mv: memoryview, dst: np.ndarray | None = None, op=None, direct: bool = False
+    ) -> None:
         self.mv, self.dst, self.op, self.off = mv, dst, op, 0
+        self.direct, self.ack = direct, 0
 
 
 class ShmTransport(Transport):
@@ -225,10 +235,13 @@ class ShmTransport(Transport):
         slots: int,
         spin_us: float,
         timeout: float,
+        single_copy: int = 0,
     ) -> None:
         """``local``: the global ranks on this host (this one included). Raises
         ``TransportError`` if this host's ranks cannot all use shared memory (every one of
-        them raises, so they agree); use ``create`` to fall back to ``inner`` instead."""
+        them raises, so they agree); use ``create`` to fall back to ``inner`` instead.
+        ``single_copy``: messages of more than one chunk and at least this many bytes are read
+        straight from the sender's memory where every local rank can (0: never)."""
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.local = sorted(local)
@@ -257,8 +270,15 @@ class ShmTransport(Transport):
         self._esock: socket.socket | None = None  # wakes its engine thread
         self._path: str | None = None
         self._sock_paths: list[str] = []
+        # Single copy (cross-memory attach): messages of at least this many bytes (0: off).
+        self.single_copy = 0
+        self._pids: dict[int, int] = {}
+        self._ptracer_set = False
+        self._probe: ctypes.Array | None = None
         try:
             self._setup(store, scope, secret, timeout)
+            if single_copy > 0:
+                self._setup_single_copy(store, scope, timeout, max(single_copy, self.chunk + 1))
         except BaseException:
             self._release()
             raise
@@ -395,6 +415,67 @@ class ShmTransport(Transport):
             self._rout[r] = _Ring(theirs, rings + self._index(r, me) * (PAGE + RING))
         self._me_asleep = memoryview(mine)[0:72].cast("q")
 
+    def _setup_single_copy(self, store: Store, scope: str, timeout: float, threshold: int) -> None:
+        """Use single-copy transfers if every local rank can read every other one's memory:
+        each publishes a random probe, names its peers as allowed readers (Yama mode 1), and
+        reads its peers' probes; all of them see all the verdicts, so they agree."""
+        me = self.rank
+        if not cma.available():
+            verdict = "!no process_vm_readv on this platform"
+        else:
+            probe = ctypes.create_string_buffer(os.urandom(16), 16)
+            self._probe = probe  # alive until every rank has read it
+            mine = f"{os.getpid()}:{ctypes.addressof(probe)}:{probe.raw.hex()}:{threshold}"
+            store.set(scope, f"cma.{me}", mine.encode())
+            peers = dict(
+                zip(
+                    self.local,
+                    (
+                        b.decode()
+                        for b in store.wait(scope, [f"cma.{r}" for r in self.local], timeout)
+                    ),
+                    strict=True,
+                )
+            )
+            pids = {r: int(v.split(":")[0]) for r, v in peers.items() if r != me}
+            self._ptracer_set = cma.allow_readers(sorted(set(pids.values()) - {os.getpid()}))
+            store.set(scope, f"cma.allowed.{me}", b"1")
+            store.wait(scope, [f"cma.allowed.{r}" for r in self.local], timeout)
+            verdict = "ok"
+            for r, v in peers.items():
+                pid, addr, want, limit = v.split(":")
+                if int(limit) != threshold:
+                    verdict = f"!single-copy thresholds differ ({limit} on rank {r})"
+                    break
+                if r == me:
+                    continue
+                got = ctypes.create_string_buffer(16)
+                try:
+                    cma.read(int(pid), int(addr), ctypes.addressof(got), 16)
+                except OSError as e:
+                    verdict = f"!rank {me} cannot read rank {r}'s memory: {e.strerror}"
+                    break
+                if got.raw.hex() != want:
+                    verdict = f"!rank {me} read something else than rank {r}'s probe"
+                    break
+        store.set(scope, f"cma.ok.{me}", verdict.encode())
+        done = [b.decode() for b in store.wait(scope, [f"cma.ok.{r}" for r in self.local], timeout)]
+        self._probe = None
+        why = next((d[1:] for d in done if d != "ok"), None)
+        if why is not None:
+            log.logger.info(
+                "rank %d: single-copy transfers off on this host (%s); large messages use two "
+                "copies through shared memory",
+                me,
+                why,
+            )
+            if self._ptracer_set:
+                cma.forbid_readers()
+                self._ptracer_set = False
+            return
+        self._pids = pids
+        self.single_copy = threshold
+
     def _index(self, owner: int, sender: int) -> int:
         return [r for r in self.local if r != owner].index(sender)
 
@@ -491,11 +572,29 @@ class ShmTransport(Transport):
                     max(mv.nbytes for _, _, mv in outs + ins),
                 )
 
+    def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        """Two copies through the slots even for large messages: measured on 2 ranks, a
+        broadcast whose root copies in while the receiver copies out beats the receiver
+        reading alone (the root would idle)."""
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        self._exchange_reduce(sends, recvs, (), 1 << 62)
+
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
     ) -> None:
         if self._aborted is not None:
             raise TransportError(self._aborted)
+        self._exchange_reduce(sends, recvs, reduces, self.single_copy or (1 << 62))
+
+    def _exchange_reduce(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        reduces: Sequence[Reduce],
+        big: int,
+    ) -> None:
+        """``exchange_reduce`` where local messages of at least ``big`` bytes go by single copy."""
         out: dict[int, list[_Pending]] = {}
         inc: dict[int, list[_Pending]] = {}
         r_sends: list[Message] = []
@@ -504,13 +603,17 @@ class ShmTransport(Transport):
         for peer, mv in sends:
             if mv.nbytes:
                 if peer in self._out:
-                    out.setdefault(peer, []).append(_Pending(mv.cast("B")))
+                    out.setdefault(peer, []).append(
+                        _Pending(mv.cast("B"), None, None, mv.nbytes >= big)
+                    )
                 else:
                     r_sends.append((peer, mv))
         for peer, mv in recvs:
             if mv.nbytes:
                 if peer in self._in:
-                    inc.setdefault(peer, []).append(_Pending(mv.cast("B")))
+                    inc.setdefault(peer, []).append(
+                        _Pending(mv.cast("B"), None, None, mv.nbytes >= big)
+                    )
                 else:
                     r_recvs.append((peer, mv))
         remote_reduces = [(p, d, op) for p, d, op in reduces if d.nbytes and p not in self._in]
@@ -525,7 +628,7 @@ class ShmTransport(Transport):
                 after.append((d, op, tmp))
         for peer, dst, op in reduces:
             if dst.nbytes and peer in self._in:
-                inc.setdefault(peer, []).append(_Pending(as_bytes(dst), dst, op))
+                inc.setdefault(peer, []).append(_Pending(as_bytes(dst), dst, op, dst.nbytes >= big))
         tcp = self.inner
         r_out: dict = {}
         r_inc: dict = {}
@@ -546,18 +649,33 @@ class ShmTransport(Transport):
         for peer in list(out):
             ch = self._out[peer]
             q = out[peer]
+            # Direct sends posted earlier (at the front, in order) end when the receiver
+            # has read them.
+            while q and q[0].ack and ch.rd[0] >= q[0].ack:
+                q.pop(0)
+                moved = True
+            i = 0
+            while i < len(q) and q[i].ack:
+                i += 1
             wrote = False
-            while q and ch.count - ch.rd[0] < nslots:
-                p = q[0]
-                n = min(chunk, p.mv.nbytes - p.off)
-                ch.slots[ch.count % nslots][:n] = p.mv[p.off : p.off + n]
-                p.off += n
-                ch.count += 1
+            while i < len(q) and ch.count - ch.rd[0] < nslots:
+                p = q[i]
+                slot = ch.slots[ch.count % nslots]
+                if p.direct:  # post where the message lies; it must stay there until read
+                    _DESC.pack_into(slot, 0, cma.address(p.mv), p.mv.nbytes)
+                    ch.count += 1
+                    p.ack = ch.count
+                    i += 1
+                else:
+                    n = min(chunk, p.mv.nbytes - p.off)
+                    slot[:n] = p.mv[p.off : p.off + n]
+                    p.off += n
+                    ch.count += 1
+                    if p.off == p.mv.nbytes:
+                        q.pop(i)
                 _order()
                 ch.wr[0] = ch.count
                 wrote = True
-                if p.off == p.mv.nbytes:
-                    q.pop(0)
             if wrote:
                 moved = True
                 self._wake(peer)
@@ -570,11 +688,15 @@ class ShmTransport(Transport):
             while q and ch.count < ch.wr[0]:
                 _order()
                 p = q[0]
-                n = min(chunk, p.mv.nbytes - p.off)
                 slot = ch.slots[ch.count % nslots]
-                if p.dst is None:
+                if p.direct:
+                    self._read_direct(peer, p, slot)
+                    n = p.mv.nbytes
+                elif p.dst is None:
+                    n = min(chunk, p.mv.nbytes - p.off)
                     p.mv[p.off : p.off + n] = slot[:n]
                 else:
+                    n = min(chunk, p.mv.nbytes - p.off)
                     item = p.dst.itemsize
                     lo, k = p.off // item, n // item
                     seg = p.dst[lo : lo + k]
@@ -592,6 +714,39 @@ class ShmTransport(Transport):
             if not q:
                 del inc[peer]
         return moved
+
+    def _read_direct(self, peer: int, p: _Pending, slot: memoryview) -> None:
+        """Receive ``p`` from ``peer``'s memory at the address its slot names: one copy into
+        the destination, or for a reduction chunk by chunk through scratch (cache-sized)."""
+        addr, nbytes = _DESC.unpack_from(slot, 0)
+        if nbytes != p.mv.nbytes:
+            raise TransportError(
+                f"rank {peer} posted a {nbytes}-byte message where rank {self.rank} expected "
+                f"{p.mv.nbytes} bytes: the ranks run different collectives"
+            )
+        pid = self._pids[peer]
+        try:
+            if p.dst is None:
+                cma.read(pid, addr, cma.address(p.mv), nbytes)
+                return
+            dst = p.dst
+            item, step = dst.itemsize, self.chunk
+            tmp = self._scratch.get(step, np.dtype(np.uint8))
+            where = int(tmp.ctypes.data)
+            for off in range(0, nbytes, step):
+                n = min(step, nbytes - off)
+                cma.read(pid, addr + off, where, n)
+                seg = dst[off // item : (off + n) // item]
+                p.op(seg, tmp[:n].view(dst.dtype), out=seg)
+        except OSError as e:
+            if self._aborted is not None:
+                raise TransportError(self._aborted) from None
+            self._check_alive(peer)
+            raise TransportError(
+                f"rank {self.rank} could not read a message from rank {peer}'s memory "
+                f"({e.strerror}); set HOROVOD_SHM_SINGLE_COPY_BYTES=0 to move it through "
+                "shared memory instead"
+            ) from e
 
     def _wake(self, peer: int, ctrl: bool = False) -> None:
         """After publishing a counter: wake ``peer`` if it sleeps waiting for one (its data-
@@ -695,7 +850,11 @@ class ShmTransport(Transport):
         n = self.nslots
         for peer in out:
             ch = self._out[peer]
-            if ch.count - ch.rd[0] < n:
+            q = out[peer]  # None from the small-message paths (never direct)
+            if q and q[0].ack:  # a posted direct send: read yet? (or room for what follows)
+                if ch.rd[0] >= q[0].ack or (q[-1].ack == 0 and ch.count - ch.rd[0] < n):
+                    return True
+            elif ch.count - ch.rd[0] < n:
                 return True
         for peer in inc:
             ch = self._in[peer]
@@ -848,6 +1007,9 @@ class ShmTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        if self._ptracer_set:
+            cma.forbid_readers()
+            self._ptracer_set = False
         if self._path is not None:
             try:
                 os.unlink(self._path)
