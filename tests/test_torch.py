@@ -240,6 +240,50 @@ def distributed_step(opt_factory, size, steps=3, passes=1, flush_count=None, **k
     return run_ranks(body, size)
 
 
+def test_synchronize_submits_what_it_waits_for_without_waking_the_engine_thread():
+    """The gradients still queued at step() are submitted by the thread that waits for them
+    right after (it runs the engine itself): waking the engine thread too would have the two
+    threads fight over the GIL. Gradients flushed during backward do wake it."""
+    from horovod.core.context import current
+
+    def body(rank):
+        model = make_model(seed=0)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        opt._flush_count = 3  # of the 4 gradients, 3 go out during backward, 1 at step()
+        engine = current().engine
+        wakes: list[tuple[bool, bool]] = []  # (inside synchronize, wake)
+        inside = [False]
+        real_submit, real_sync = engine.submit, opt.synchronize
+
+        def submit(entries, wake=True):
+            wakes.append((inside[0], wake))
+            return real_submit(entries, wake=wake)
+
+        def synchronize():
+            inside[0] = True
+            try:
+                real_sync()
+            finally:
+                inside[0] = False
+
+        engine.submit = submit
+        opt.synchronize = synchronize
+        try:
+            x, y = batch(rank)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        finally:
+            del engine.submit
+        return wakes
+
+    for wakes in run_ranks(body, 2):
+        assert any(inside for inside, _ in wakes) and any(not inside for inside, _ in wakes)
+        assert all(not wake for inside, wake in wakes if inside), wakes
+        assert all(wake for inside, wake in wakes if not inside), wakes
+
+
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),

@@ -273,14 +273,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             entry = self._handles.get(pid)
             if entry is None or (entry[0] is None and entry[1] != "queued"):
                 self._queue(self._params[pid])
-        self._flush()
-        for gi in range(len(self._groups)):
-            if any(
-                self._handles.get(pid, (None,))[0] is None
-                for pid in self._groups[gi]
-                if pid in self._requires_update
-            ):
-                self._submit_group(gi)
+        # This thread waits for these right below and runs the engine itself meanwhile:
+        # waking the engine thread would only have the two fight over the GIL.
+        with F.waited():
+            self._flush()
+            for gi in range(len(self._groups)):
+                if any(
+                    self._handles.get(pid, (None,))[0] is None
+                    for pid in self._groups[gi]
+                    if pid in self._requires_update
+                ):
+                    self._submit_group(gi)
         done: dict[Any, Any] = {}
         for pid, (handle, ctx) in list(self._handles.items()):
             p = self._params[pid]
