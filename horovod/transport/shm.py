@@ -274,7 +274,6 @@ class ShmTransport(Transport):
         self.single_copy = 0
         self._pids: dict[int, int] = {}
         self._ptracer_set = False
-        self._probe: ctypes.Array | None = None
         try:
             self._setup(store, scope, secret, timeout)
             if single_copy > 0:
@@ -423,8 +422,7 @@ class ShmTransport(Transport):
         if not cma.available():
             verdict = "!no process_vm_readv on this platform"
         else:
-            probe = ctypes.create_string_buffer(os.urandom(16), 16)
-            self._probe = probe  # alive until every rank has read it
+            probe = ctypes.create_string_buffer(os.urandom(16), 16)  # alive until the verdicts
             mine = f"{os.getpid()}:{ctypes.addressof(probe)}:{probe.raw.hex()}:{threshold}"
             store.set(scope, f"cma.{me}", mine.encode())
             peers = dict(
@@ -460,7 +458,6 @@ class ShmTransport(Transport):
                     break
         store.set(scope, f"cma.ok.{me}", verdict.encode())
         done = [b.decode() for b in store.wait(scope, [f"cma.ok.{r}" for r in self.local], timeout)]
-        self._probe = None
         why = next((d[1:] for d in done if d != "ok"), None)
         if why is not None:
             log.logger.info(
@@ -576,6 +573,10 @@ class ShmTransport(Transport):
         """Two copies through the slots even for large messages: measured on 2 ranks, a
         broadcast whose root copies in while the receiver copies out beats the receiver
         reading alone (the root would idle)."""
+        big = self.single_copy
+        if not big or all(mv.nbytes < big for _, mv in (*sends, *recvs)):
+            self.exchange(sends, recvs)  # nothing single-copy sized: keep the small-message paths
+            return
         if self._aborted is not None:
             raise TransportError(self._aborted)
         self._exchange_reduce(sends, recvs, (), 1 << 62)
