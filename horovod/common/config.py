@@ -227,6 +227,14 @@ class Config:
         "once no view of them is alive (saves the page faults of fresh memory); 0 disables it.",
         minimum=0,
     )
+    eager_allreduce_bytes: int = _knob(
+        "HOROVOD_EAGER_ALLREDUCE_BYTES",
+        16 * 1024,
+        "Allreduces of at most this many bytes per rank that hit the response cache travel "
+        "with their request to the coordinator, which reduces them and sends the result with "
+        "its response list: one message round instead of two (0 turns it off).",
+        minimum=0,
+    )
     ring_threshold_bytes: int = _knob(
         "HOROVOD_RING_THRESHOLD_BYTES",
         128 * 1024,

@@ -355,6 +355,7 @@ class Context:
                 on_fatal_report=self._record_diagnosis,
                 timeline=self.timeline,
                 autotuner=self.autotuner,
+                eager_bytes=cfg.eager_allreduce_bytes,
             )
         except BaseException:
             transport.close()

@@ -26,6 +26,7 @@ every rank stop after the responses already decided.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import signal
@@ -54,6 +55,7 @@ from horovod.core.messages import (
     ALLGATHER,
     ALLREDUCE,
     ALLTOALL,
+    AVERAGE,
     BARRIER,
     BROADCAST,
     CACHEABLE,
@@ -230,8 +232,12 @@ class Engine:
         on_fatal_report: Callable[[str], None] | None = None,
         timeline: Timeline | None = None,
         autotuner: Autotuner | None = None,
+        eager_bytes: int = 0,
     ) -> None:
         self.rank, self.size, self.transport = rank, size, transport
+        # Cache-hit allreduces of at most this many bytes per rank travel with their requests
+        # and come back reduced in the response list (see "Eager allreduce" in the docs).
+        self.eager_bytes = eager_bytes
         self.fusion_threshold = fusion_threshold
         self.cycle_s = cycle_time_ms / 1000.0
         self.cache_capacity = cache_capacity
@@ -258,6 +264,8 @@ class Engine:
             "cache_hits_sent": 0,
             "requests_sent": 0,
             "responses_run_by_caller": 0,  # executed by a waiting application thread
+            "eager_sent": 0,  # cache hits sent with their data
+            "eager_responses": 0,  # responses that arrived reduced (no data-plane round)
         }
         self._register(0, range(size))
         for i, ranks in enumerate(process_sets, start=1):
@@ -668,6 +676,7 @@ class Engine:
 
     def _send_requests(self, entries: list[Entry]) -> None:
         items: list[tuple] = []
+        eager = self.eager_bytes
         for e in entries:
             req = e.request
             ss = self.sets.get(req.ps_id)
@@ -675,8 +684,20 @@ class Engine:
             if ss is not None and ss.cache.enabled and req.op in CACHEABLE:
                 cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
             e.cid = cid
+            data = None
+            if (
+                cid is not None
+                and req.op == ALLREDUCE
+                and req.reduce_op in ops.UFUNCS
+                and e.array.nbytes <= eager
+            ):
+                data = e.array
             if self.coordinator is not None:
-                self.coordinator.add(self.rank, req, cid)
+                self.coordinator.add(self.rank, req, cid, data)
+            elif data is not None:
+                items.append(("D", req.ps_id, cid, data.tobytes()))
+                self.stats["cache_hits_sent"] += 1
+                self.stats["eager_sent"] += 1
             elif cid is not None:
                 items.append(("H", req.ps_id, cid))
                 self.stats["cache_hits_sent"] += 1
@@ -701,10 +722,17 @@ class Engine:
         self, items: list[tuple], shutdown_why: str | None, params: tuple | None = None
     ) -> bool:
         self.stats["cycles"] += 1
-        for item in items:
-            resp = self._decode_response(item)
+        # Every cache id of the list is live before the list runs (the coordinator built it
+        # from the same cache): look them all up first, so that a full response placed earlier
+        # in the list cannot evict one that a later item names.
+        cached = [self._cached_parts(item) for item in items]
+        for item, parts in zip(items, cached, strict=True):
+            resp = self._decode_response(item, parts)
             if resp is not None:
-                self._execute(resp)
+                if item[0] == "V":
+                    self._execute_eager(resp, item[3])
+                else:
+                    self._execute(resp)
         if params is not None:  # autotune: every rank switches at this same point
             self.apply_params(params)
         if shutdown_why is not None:
@@ -715,16 +743,27 @@ class Engine:
             return False
         return True
 
-    def _decode_response(self, item: tuple) -> Response | None:
-        """Turn a wire item into a Response and apply the cache rule (identical on all ranks)."""
-        if item[0] == "K":
-            ss = self.sets.get(item[1])
-            if ss is None or (not ss.member and self.coordinator is None):
+    def _cached_parts(self, item: tuple) -> list[Response] | None:
+        """The cached responses a ``K``/``V`` item names (None: another kind, or a set this
+        rank neither belongs to nor coordinates)."""
+        if item[0] != "K" and item[0] != "V":
+            return None
+        ss = self.sets.get(item[1])
+        if ss is None or (not ss.member and self.coordinator is None):
+            return None
+        live = ss.cache.live
+        return [live[cid] for cid in item[2]]
+
+    def _decode_response(self, item: tuple, parts: list[Response] | None) -> Response | None:
+        """Turn a wire item into a Response and apply the cache rule (identical on all ranks).
+        ``parts``: what ``_cached_parts`` found for it."""
+        if item[0] == "K" or item[0] == "V":
+            if parts is None:
                 return None
-            cache = ss.cache
-            parts = [cache.live[cid] for cid in item[2]]
+            cache = self.sets[item[1]].cache
             for cid in item[2]:
-                cache.touch(cid)
+                if cid in cache.live:  # a response put earlier in this list may evict it
+                    cache.touch(cid)
             return _merge(parts)
         resp = Response.from_wire(item)
         ss = self.sets.get(resp.ps_id)
@@ -790,6 +829,40 @@ class Engine:
             if e is not None:
                 e.handle._complete(e.index, r)
         if self.autotuner is not None and op == ALLREDUCE and resp.ps_id == 0:
+            self._autotune(resp)
+
+    def _execute_eager(self, resp: Response, data: Any) -> None:
+        """A response that arrived reduced: the coordinator combined every rank's data (sent
+        with the cache hits), so only the copies into the outputs are left."""
+        ss = self.sets[resp.ps_id]
+        if not ss.member:
+            return
+        ps_id, table, stats = resp.ps_id, self.table, self.stats
+        with self.lock:
+            entries = [table.pop((ps_id, n), None) for n in resp.names]
+        stats["responses"] += 1
+        stats["eager_responses"] += 1
+        if threading.get_ident() != self._thread.ident:
+            stats["responses_run_by_caller"] += 1
+        if len(entries) > 1:
+            stats["fused_responses"] += 1
+        tl = self.timeline
+        if tl is not None:
+            rows = _rows(resp)
+            tl.ops_start(rows, OP_NAMES[resp.op])
+            tl.activity(rows, "COORDINATOR_ALLREDUCE")
+        result = np.frombuffer(data, DTYPE_OF_CODE[resp.dtype])
+        off = 0
+        for e, shape in zip(entries, resp.shapes, strict=True):
+            end = off + math.prod(shape)
+            if e is not None:
+                np.copyto(e.output.reshape(-1), result[off:end])
+                e.handle._complete(e.index, e.output)
+            off = end
+        if tl is not None:
+            tl.activity(rows, None)
+            tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
+        if self.autotuner is not None and resp.ps_id == 0:
             self._autotune(resp)
 
     def _autotune(self, resp: Response) -> None:
@@ -880,12 +953,34 @@ def _merge(parts: list[Response]) -> Response:
 
 
 # ====================================================================================== coordinator
+# A response the coordinator decided on: the response, its cache id (all ranks hit it), and for
+# an eager allreduce every member's data (global rank -> bytes), else None.
+_Built = tuple[Response, int | None, dict[int, Any] | None]
+
+
+def _fusible(head: Response, r: Response, e: Engine) -> bool:
+    """Whether ``r`` may share a fused buffer with ``head``."""
+    return (
+        r.op == head.op
+        and r.ps_id == head.ps_id
+        and r.dtype == head.dtype
+        and r.reduce_op == head.reduce_op
+        and r.prescale == head.prescale
+        and r.postscale == head.postscale
+        and r.joined == head.joined
+        and r.device == head.device
+        and not r.error
+        and (not e.disable_group_fusion or r.group == head.group)
+    )
+
+
 class _Pending:
-    __slots__ = ("reqs", "cids", "times", "t0", "ready", "warned")
+    __slots__ = ("reqs", "cids", "times", "t0", "ready", "warned", "data")
 
     def __init__(self, t0: float) -> None:
         self.reqs: dict[int, Request] = {}
         self.cids: dict[int, int | None] = {}
+        self.data: dict[int, Any] | None = None  # eager allreduce: each rank's bytes
         self.times: dict[int, float] = {}  # when each rank's request reached the coordinator
         self.t0 = t0
         self.ready = False
@@ -964,14 +1059,15 @@ class _Coordinator:
         tag = msg[0]
         if tag == "Q":
             for item in msg[1]:
-                if item[0] == "H":
+                if item[0] == "H" or item[0] == "D":
                     ps_id, cid = int(item[1]), int(item[2])
                     ss = self.e.sets.get(ps_id)
                     resp = ss.cache.resolve(cid) if ss is not None else None
                     if resp is None or ss is None:
                         self.resend.setdefault(peer, []).append((ps_id, cid))
                         continue
-                    self.add(peer, self._hit_request(ss, resp, peer, cid), cid)
+                    data = memoryview(item[3]) if item[0] == "D" else None
+                    self.add(peer, self._hit_request(ss, resp, peer, cid), cid, data)
                 else:
                     self.add(peer, Request.from_wire(item[1]), None)
         elif tag == "S":
@@ -1015,7 +1111,7 @@ class _Coordinator:
         self.hit_requests[key] = (resp, req)
         return req
 
-    def add(self, rank: int, req: Request, cid: int | None) -> None:
+    def add(self, rank: int, req: Request, cid: int | None, data: Any = None) -> None:
         if req.op == JOIN:
             self.joined.pop(rank, None)
             self.joined[rank] = None
@@ -1037,6 +1133,10 @@ class _Coordinator:
         pend.reqs[rank] = req
         pend.cids[rank] = cid
         pend.times[rank] = now
+        if data is not None:
+            if pend.data is None:
+                pend.data = {}
+            pend.data[rank] = data
         tl = self.e.timeline
         if tl is not None:
             tl.negotiate_ready(_row(ps_id, name), OP_NAMES.get(req.op, "?"), rank, now)
@@ -1143,23 +1243,27 @@ class _Coordinator:
         self.arrivals.clear()
 
     # ----------------------------------------------------------- building responses
-    def _build(self, ps_id: int, name: str) -> tuple[Response, int | None]:
+    def _build(self, ps_id: int, name: str) -> _Built:
         if name == "__join__":
             last = next(reversed(self.joined))
             self.joined = {}
-            return Response(JOIN, 0, ["join.noname"], last_joined=last), None
+            return Response(JOIN, 0, ["join.noname"], last_joined=last), None, None
         p = self.tables[ps_id].pop(name)
         ss = self.e.sets.get(ps_id)
         joined = tuple(self.joined) if ps_id == 0 and self.joined else ()
         if ss is None:
-            return Response(
-                ERROR,
-                ps_id,
-                [name],
-                error=(
-                    f"{name}: process set {ps_id} does not exist (it was removed or never added)"
+            return (
+                Response(
+                    ERROR,
+                    ps_id,
+                    [name],
+                    error=(
+                        f"{name}: process set {ps_id} does not exist (it was removed or never added)"
+                    ),
                 ),
-            ), None
+                None,
+                None,
+            )
         cids = set(p.cids.values())
         if (
             ss.cache.enabled
@@ -1172,20 +1276,77 @@ class _Coordinator:
             assert cid is not None
             cached = ss.cache.live.get(cid)
             if cached is not None:
-                return cached, cid
-        return _validate(ss, name, p, joined, self), None
+                return cached, cid, self._eager_data(ss, cached, p)
+        return _validate(ss, name, p, joined, self), None, None
 
-    def _fuse(self, built: list[tuple[Response, int | None]]) -> list[tuple]:
+    def _eager_data(self, ss: SetState, resp: Response, p: _Pending) -> dict[int, Any] | None:
+        """Every member's data for a cached allreduce, when all of them sent it (and of the
+        size the response says), else None: the data plane runs it."""
+        data = p.data
+        if data is None or len(data) != len(ss.ranks) or resp.op != ALLREDUCE:
+            return None
+        nbytes = resp.nbytes(DTYPE_OF_CODE[resp.dtype].itemsize)
+        for r in ss.ranks:
+            d = data.get(r)
+            if d is None or d.nbytes != nbytes:
+                return None
+        return data
+
+    def _reduce_eager(self, group: list[_Built]) -> tuple:
+        """The "V" item of responses whose data every rank sent: reduced here, in rank order,
+        with the data plane's numerics (prescale each rank's part, fold, postscale)."""
+        head = group[0][0]
+        ss = self.e.sets[head.ps_id]
+        dtype = DTYPE_OF_CODE[head.dtype]
+        reducer = ops.UFUNCS[head.reduce_op]
+        post = head.postscale / len(ss.ranks) if head.reduce_op == AVERAGE else head.postscale
+        pre = head.prescale
+        acc: np.ndarray | None = None
+        for r in ss.ranks:
+            parts = [np.frombuffer(d[r], dtype) for _, _, d in group]  # type: ignore[index]
+            owned = len(parts) > 1
+            part = np.concatenate(parts) if owned else parts[0]
+            if acc is None or pre != 1.0:
+                if not owned:
+                    part = part.copy()
+                ops.scale(part, pre)
+            if acc is None:
+                acc = part
+            else:
+                reducer(acc, part, out=acc)
+        assert acc is not None
+        ops.scale(acc, post)
+        return ("V", head.ps_id, [c for _, c, _ in group], acc.tobytes())
+
+    def _fuse(self, built: list[_Built]) -> list[tuple]:
         e = self.e
         if len(built) == 1:  # a lone response (sequential ops): nothing to fuse
-            head, hcid = built[0]
+            head, hcid, data = built[0]
+            if data is not None:
+                return [self._reduce_eager(built)]
             return [("K", head.ps_id, [hcid]) if hcid is not None else head.wire()]
         threshold = e.fusion_threshold
         out: list[tuple] = []
         rest = list(built)
         while rest:
-            head, hcid = rest.pop(0)
-            group = [(head, hcid)]
+            first = rest.pop(0)
+            head, hcid, hdata = first
+            group = [first]
+            if hdata is not None:
+                # Eager ones fuse only with each other (reduced here, in one buffer).
+                acc = head.nbytes(DTYPE_OF_CODE[head.dtype].itemsize)
+                keep = []
+                for cand in rest:
+                    r = cand[0]
+                    nb = r.nbytes(DTYPE_OF_CODE[r.dtype].itemsize)
+                    if cand[2] is not None and _fusible(head, r, e) and acc + nb <= threshold:
+                        group.append(cand)
+                        acc += nb
+                    else:
+                        keep.append(cand)
+                rest = keep
+                out.append(self._reduce_eager(group))
+                continue
             if head.op in FUSIBLE and not head.error and threshold > 0:
                 item = DTYPE_OF_CODE[head.dtype].itemsize
                 acc = head.nbytes(item)
@@ -1193,33 +1354,24 @@ class _Coordinator:
                 keep = []
                 for cand in rest:
                     r = cand[0]
+                    if cand[2] is not None:  # eager: reduced here, with its own kind
+                        keep.append(cand)
+                        continue
                     nb = r.nbytes(item) if r.op in FUSIBLE and not r.error else 0
                     if acc + skipped > threshold:
                         keep.append(cand)
                         continue
-                    if (
-                        r.op == head.op
-                        and r.ps_id == head.ps_id
-                        and r.dtype == head.dtype
-                        and r.reduce_op == head.reduce_op
-                        and r.prescale == head.prescale
-                        and r.postscale == head.postscale
-                        and r.joined == head.joined
-                        and r.device == head.device
-                        and not r.error
-                        and (not e.disable_group_fusion or r.group == head.group)
-                        and acc + nb <= threshold
-                    ):
+                    if _fusible(head, r, e) and acc + nb <= threshold:
                         group.append(cand)
                         acc += nb
                     else:
                         keep.append(cand)
                         skipped += nb
                 rest = keep
-            if all(c is not None for _, c in group) and len(group) >= 1 and group[0][1] is not None:
-                out.append(("K", head.ps_id, [c for _, c in group]))
+            if all(c is not None for _, c, _ in group) and group[0][1] is not None:
+                out.append(("K", head.ps_id, [c for _, c, _ in group]))
             else:
-                out.append(_merge([r for r, _ in group]).wire())
+                out.append(_merge([r for r, _, _ in group]).wire())
         return out
 
     # ----------------------------------------------------------- wait attribution
@@ -1236,10 +1388,10 @@ class _Coordinator:
                 )
         self.waits.reset(now)
 
-    def _orphans(self) -> list[tuple[Response, int | None]]:
+    def _orphans(self) -> list[_Built]:
         """At shutdown, collectives that only some ranks submitted can never run: fail them
         with a message that says so, rather than with a bare shutdown notice."""
-        out: list[tuple[Response, int | None]] = []
+        out: list[_Built] = []
         for ps_id, table in self.tables.items():
             for name, p in list(table.items()):
                 if p.ready or not p.reqs:
@@ -1262,6 +1414,7 @@ class _Coordinator:
                                 "every rank of the process set must call it."
                             ),
                         ),
+                        None,
                         None,
                     )
                 )

@@ -286,11 +286,16 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused global {module}.{name} in a control message")
 
 
-# The two messages of steady-state training have a compact binary form (pickle output always
-# starts with 0x80, so the first byte tells them apart): a rank's cache hits, and a response list
-# made only of cache ids. Both are lists of integers, parsed without the unpickler.
+# The messages of steady-state training have a compact binary form (pickle output always starts
+# with 0x80, so the first byte tells them apart): a rank's cache hits, and a response list made
+# only of cache ids; both as lists of integers parsed without the unpickler. Their eager forms
+# (small allreduces reduced by the coordinator, see engine.py) carry raw bytes after each record.
 _HITS = 1  # int64 pairs (ps_id, cid): ("Q", [("H", ps_id, cid), ...])
 _IDS = 2  # int64 runs (ps_id, n, cid x n): ("P", [("K", ps_id, [cid, ...]), ...], None, None)
+_HITS_DATA = 3  # records int64 (ps_id, cid, nbytes) + nbytes of data ("D"); nbytes -1: an "H"
+_IDS_DATA = 4  # records int64 (ps_id, n, cid x n, nbytes) + nbytes of result ("V"); -1: a "K"
+_REC = struct.Struct("<qqq")
+_Q = struct.Struct("<q")
 
 
 def _binary(msg: tuple) -> bytes | None:
@@ -300,17 +305,47 @@ def _binary(msg: tuple) -> bytes | None:
         flat: list[int] = []
         for it in items:
             if it[0] != "H":
-                return None
+                return _binary_hits_data(items)
             flat += (it[1], it[2])
         return bytes((_HITS,)) + struct.pack(f"<{len(flat)}q", *flat)
     if tag == "P" and len(msg) == 4 and msg[2] is None and msg[3] is None:
         flat = []
         for it in msg[1]:
             if it[0] != "K":
-                return None
+                return _binary_ids_data(msg[1])
             flat += (it[1], len(it[2]), *it[2])
         return bytes((_IDS,)) + struct.pack(f"<{len(flat)}q", *flat)
     return None
+
+
+def _binary_hits_data(items: list[tuple]) -> bytes | None:
+    parts: list[bytes] = [bytes((_HITS_DATA,))]
+    for it in items:
+        if it[0] == "H":
+            parts.append(_REC.pack(it[1], it[2], -1))
+        elif it[0] == "D":
+            parts.append(_REC.pack(it[1], it[2], len(it[3])))
+            parts.append(it[3])
+        else:
+            return None
+    return b"".join(parts)
+
+
+def _binary_ids_data(items: list[tuple]) -> bytes | None:
+    parts: list[bytes] = [bytes((_IDS_DATA,))]
+    for it in items:
+        if it[0] not in ("K", "V"):
+            return None
+        cids = it[2]
+        data = it[3] if it[0] == "V" else None
+        parts.append(
+            struct.pack(
+                f"<{len(cids) + 3}q", it[1], len(cids), *cids, -1 if data is None else len(data)
+            )
+        )
+        if data is not None:
+            parts.append(data)
+    return b"".join(parts)
 
 
 def encode(msg: tuple) -> bytes:
@@ -325,6 +360,47 @@ def _ints(payload: bytes) -> tuple[int, ...]:
     if (len(payload) - 1) % 8:
         raise pickle.UnpicklingError("binary control message of a length that is not 1 + 8k")
     return struct.unpack_from(f"<{(len(payload) - 1) // 8}q", payload, 1)
+
+
+def _data(mv: memoryview, off: int, n: int, what: str) -> tuple[memoryview | None, int]:
+    """The ``n`` bytes at ``off`` (None for n == -1) and the offset after them."""
+    if n == -1:
+        return None, off
+    if n < 0 or off + n > len(mv):
+        raise pickle.UnpicklingError(f"{what} with a bad data length")
+    return mv[off : off + n], off + n
+
+
+def _decode_hits_data(payload: bytes) -> tuple:
+    mv = memoryview(payload)
+    items: list[tuple] = []
+    off = 1
+    while off < len(mv):
+        if off + _REC.size > len(mv):
+            raise pickle.UnpicklingError("cache-hit message cut inside a record")
+        ps_id, cid, n = _REC.unpack_from(mv, off)
+        data, off = _data(mv, off + _REC.size, n, "cache-hit message")
+        items.append(("H", ps_id, cid) if data is None else ("D", ps_id, cid, data))
+    return ("Q", items)
+
+
+def _decode_ids_data(payload: bytes) -> tuple:
+    mv = memoryview(payload)
+    items: list[tuple] = []
+    off = 1
+    while off < len(mv):
+        if off + 16 > len(mv):
+            raise pickle.UnpicklingError("cache-id response list cut inside a record")
+        ps_id, n = struct.unpack_from("<qq", mv, off)
+        off += 16
+        if n < 0 or off + 8 * (n + 1) > len(mv):
+            raise pickle.UnpicklingError("cache-id response list with a bad count")
+        cids = list(struct.unpack_from(f"<{n}q", mv, off))
+        off += 8 * n
+        (nbytes,) = _Q.unpack_from(mv, off)
+        data, off = _data(mv, off + 8, nbytes, "cache-id response list")
+        items.append(("K", ps_id, cids) if data is None else ("V", ps_id, cids, data))
+    return ("P", items, None, None)
 
 
 def decode(payload: bytes) -> tuple:
@@ -345,6 +421,10 @@ def decode(payload: bytes) -> tuple:
             items.append(("K", v[i], list(v[i + 2 : i + 2 + n])))
             i += 2 + n
         return ("P", items, None, None)
+    if kind == _HITS_DATA:
+        return _decode_hits_data(payload)
+    if kind == _IDS_DATA:
+        return _decode_ids_data(payload)
     msg = _SafeUnpickler(io.BytesIO(payload)).load()
     if not isinstance(msg, tuple) or not msg or not isinstance(msg[0], str):
         raise pickle.UnpicklingError("control message is not a tagged tuple")

@@ -260,6 +260,7 @@ class ShmTransport(Transport):
         self._asleep: dict[int, memoryview] = {}
         self._rin: dict[int, _Ring] = {}
         self._rout: dict[int, _Ring] = {}
+        self._backlog = False  # some control frame waits for room in its ring
         self._sleepers = 0  # threads in a data-plane wait's sleep
         self._engine_asleep = False  # the engine thread in sleep()
         self._driving = False
@@ -774,6 +775,8 @@ class ShmTransport(Transport):
                 raise TransportError(self._aborted)
             if self._yield:
                 os.sched_yield()
+            if self._backlog:
+                self._flush_backlog()
             if self._ready(out, inc) or (
                 (r_out or r_inc) and tcp.progress(r_out, r_inc)  # type: ignore[attr-defined]
             ):
@@ -800,7 +803,9 @@ class ShmTransport(Transport):
             while True:
                 if self._aborted is not None:
                     raise TransportError(self._aborted)
-                events = poller.poll(_POLL_MS)
+                if self._backlog:  # control frames wait for ring room: look again soon
+                    self._flush_backlog()
+                events = poller.poll(1 if self._backlog else _POLL_MS)
                 # A peer that finished and exited may have left all we need from it in its
                 # slots: only a peer we still wait for with nothing ready is lost.
                 if self._ready(out, inc):
@@ -907,8 +912,22 @@ class ShmTransport(Transport):
             self._wake(peer, ctrl=True)
             return
         ring.pending.append(memoryview(frame))
+        self._backlog = True
         if ring.flush():
             self._wake(peer, ctrl=True)
+
+    def _flush_backlog(self) -> None:
+        """Move queued control frames into their rings as far as they fit. Runs while the
+        engine's thread waits in the data plane too: a response list larger than the room in a
+        ring must still reach that peer, or a collective that follows the list waits on a peer
+        that has not read the list yet."""
+        left = False
+        for peer, ring in self._rout.items():
+            if ring.pending:
+                if ring.flush():
+                    self._wake(peer, ctrl=True)
+                left = left or bool(ring.pending)
+        self._backlog = left
 
     def poll_fast(self) -> list[tuple[int, bytes]]:
         """Control messages that same-host ranks sent (complete ones, in order per peer)."""
@@ -919,9 +938,8 @@ class ShmTransport(Transport):
             if ring.acc:
                 for payload in ring.frames():
                     got.append((peer, payload))
-        for peer, ring in self._rout.items():
-            if ring.pending and ring.flush():
-                self._wake(peer, ctrl=True)
+        if self._backlog:
+            self._flush_backlog()
         return got
 
     def fast_pending(self) -> bool:
