@@ -87,7 +87,9 @@ def test_bursts_are_fused_into_one_buffer_that_is_reused():
                 np.testing.assert_array_equal(o, np.full(100, 3 * i + 3, np.float32))
         return eng.stats["fused_responses"], eng.buffers.fusion_allocations
 
-    env = {"HOROVOD_CYCLE_TIME": "20"}  # long rounds: a burst arrives in one or two rounds
+    # Long rounds: a burst arrives in one or two rounds. Eager allreduce off: this is about the
+    # data plane's fusion buffer (the eager path is tested below).
+    env = {"HOROVOD_CYCLE_TIME": "20", "HOROVOD_EAGER_ALLREDUCE_BYTES": "0"}
     for fused, allocations in run_ranks(body, 3, env=env):
         assert fused >= 5  # every step fused at least once
         assert allocations <= 2  # the fusion buffer is not reallocated per cycle
@@ -175,6 +177,33 @@ def test_cache_eviction_with_small_capacity_stays_correct():
     env = {"HOROVOD_CACHE_CAPACITY": "3"}
     for res in run_ranks(body, 3, env=env):
         assert res == [[3 * i + 3 for i in range(7)]] * 4
+
+
+@pytest.mark.parametrize("eager", ["0", "16384"])
+def test_cache_ids_stay_valid_when_a_full_response_in_the_same_list_evicts_them(eager):
+    """Unfused responses in one list: a full response placed before a cache-id item evicts
+    that id from a small cache while the list runs; every rank still resolves it."""
+
+    def body(rank):
+        out = []
+        for step in range(6):
+            hs = [
+                hvd.allreduce_async(
+                    np.full(3, i + rank), name=f"n{i}_{step % 3 == 0 and i}", op=hvd.Sum
+                )
+                for i in range(5)
+            ]
+            out.append([int(hvd.synchronize(h)[0]) for h in hs])
+        return out
+
+    env = {
+        "HOROVOD_CACHE_CAPACITY": "2",
+        "HOROVOD_FUSION_THRESHOLD": "0",
+        "HOROVOD_CYCLE_TIME": "20",
+        "HOROVOD_EAGER_ALLREDUCE_BYTES": eager,
+    }
+    for res in run_ranks(body, 3, env=env):
+        assert res == [[3 * i + 3 for i in range(5)]] * 6
 
 
 def test_allgather_cached_with_changing_first_dim():
@@ -376,3 +405,104 @@ def test_response_nbytes_memo_follows_replaced_shapes():
     used = Response(ALLREDUCE, 0, ["a"], shapes=[(1,)])
     used.nbytes(4)
     assert used == Response(ALLREDUCE, 0, ["a"], shapes=[(1,)])  # the memo is not compared
+
+
+EAGER_CASES = [
+    # (dtype, op, prescale, postscale)
+    (np.float32, hvd.Average, 1.0, 1.0),
+    (np.float32, hvd.Sum, 0.5, 3.0),
+    (np.float64, hvd.Product, 1.0, 1.0),
+    (np.float16, hvd.Sum, 1.0, 0.25),
+    (np.int32, hvd.Average, 1.0, 1.0),
+    (np.int64, hvd.Min, 1.0, 1.0),
+    (np.uint8, hvd.Max, 1.0, 1.0),
+    (np.bool_, hvd.Max, 1.0, 1.0),
+]
+
+
+def _eager_run(eager: str, size: int = 3, process_set_ranks=None):
+    def body(rank):
+        rng = np.random.default_rng(100 + rank)
+        ps = hvd.global_process_set
+        if process_set_ranks is not None:
+            ps = hvd.add_process_set(process_set_ranks)
+            if rank not in process_set_ranks:
+                hvd.remove_process_set(ps)
+                return None, current().engine.stats["eager_responses"]
+        outs = []
+        for _step in range(3):  # steps 2 and 3 hit the response cache
+            for i, (dtype, op, pre, post) in enumerate(EAGER_CASES):
+                if dtype is np.bool_:
+                    x = rng.random(7) > 0.5
+                elif np.dtype(dtype).kind == "f":
+                    x = (rng.standard_normal(7) * 10).astype(dtype)
+                else:
+                    x = rng.integers(0, 50, 7).astype(dtype)
+                outs.append(
+                    hvd.allreduce(
+                        x,
+                        name=f"c{i}",
+                        op=op,
+                        prescale_factor=pre,
+                        postscale_factor=post,
+                        process_set=ps,
+                    )
+                )
+        eager_count = current().engine.stats["eager_responses"]
+        if process_set_ranks is not None:
+            hvd.remove_process_set(ps)
+        return outs, eager_count
+
+    env = {"HOROVOD_EAGER_ALLREDUCE_BYTES": eager, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+    return run_ranks(body, size, env=env)
+
+
+def test_eager_allreduce_equals_the_data_plane_bit_for_bit():
+    """Cached small allreduces are reduced by the coordinator (every dtype and reduce op, scale
+    factors, Average's division, integer truncation): the same bits on every rank as the data
+    plane's direct exchange gives."""
+    eager = _eager_run("16384")
+    plain = _eager_run("0")
+    for (outs, n_eager), (ref, n_plain) in zip(eager, plain, strict=True):
+        assert n_plain == 0
+        assert n_eager == 2 * len(EAGER_CASES)  # every cache hit went eager
+        for a, b in zip(outs, ref, strict=True):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    for outs, _ in eager[1:]:
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(outs, eager[0][0], strict=True))
+
+
+def test_eager_allreduce_on_a_process_set_without_the_coordinator():
+    eager = _eager_run("16384", process_set_ranks=[1, 2])
+    plain = _eager_run("0", process_set_ranks=[1, 2])
+    assert eager[0] == (None, 0)
+    for rank in (1, 2):
+        (outs, n), (ref, _) = eager[rank], plain[rank]
+        assert n == 2 * len(EAGER_CASES)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(outs, ref, strict=True))
+
+
+def test_eager_bursts_fuse_and_large_tensors_use_the_data_plane():
+    """A burst of small cached tensors comes back as fused eager results; a tensor above
+    HOROVOD_EAGER_ALLREDUCE_BYTES never goes eager; a burst larger than the budget is split
+    between both paths; every result is exact."""
+
+    def body(rank):
+        eng = current().engine
+        for _step in range(4):
+            hs = [
+                hvd.allreduce_async(np.full(100, rank + i, np.float32), name=f"s{i}", op=hvd.Sum)
+                for i in range(30)  # 30 x 400 bytes: more than the 4 KiB budget
+            ]
+            big = hvd.allreduce_async(np.full(2000, rank, np.float32), name="big", op=hvd.Sum)
+            for i, h in enumerate(hs):
+                np.testing.assert_array_equal(hvd.synchronize(h), np.full(100, 2 * i + 1))
+            np.testing.assert_array_equal(hvd.synchronize(big), np.full(2000, 1))
+        return dict(eng.stats)
+
+    env = {"HOROVOD_CYCLE_TIME": "20", "HOROVOD_EAGER_ALLREDUCE_BYTES": "4096"}
+    for stats in run_ranks(body, 2, env=env):
+        # 3 cached steps of 31 tensors: some small ones eager (fused), "big" never.
+        assert 0 < stats["eager_responses"] < 3 * 31
+        assert stats["responses"] - stats["eager_responses"] >= 3
+        assert stats["fused_responses"] >= 3

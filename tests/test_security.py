@@ -234,6 +234,64 @@ def test_compact_control_messages_round_trip(hits, id_lists):
     assert decode(encode(shutdown)) == shutdown
 
 
+def _plain(msg: tuple) -> tuple:
+    """``msg`` with memoryviews (the decoder's zero-copy data) as bytes, for comparison."""
+    return tuple(
+        [tuple(bytes(x) if isinstance(x, memoryview) else x for x in it) for it in part]
+        if isinstance(part, list)
+        else part
+        for part in msg
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2**40), st.integers(0, 2**40), st.none() | st.binary(max_size=40)),
+        min_size=1,
+        max_size=12,
+    ),
+    st.lists(
+        st.tuples(
+            st.integers(0, 100),
+            st.lists(st.integers(0, 2**40), max_size=6),
+            st.none() | st.binary(max_size=40),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_eager_control_messages_round_trip(hits, id_lists):
+    """Cache hits with their data ("D") and reduced results ("V") of eager allreduces, mixed
+    with plain hits and ids, keep a binary form that decodes to what was encoded."""
+    q = ("Q", [("H", ps, c) if d is None else ("D", ps, c, d) for ps, c, d in hits])
+    p = ("P", [("K", ps, c) if d is None else ("V", ps, c, d) for ps, c, d in id_lists], None, None)
+    for msg in (q, p):
+        wire = encode(msg)
+        assert wire[0] != 0x80
+        assert _plain(decode(wire)) == msg
+    # With a full request or response in it, the message is pickled, data and all.
+    mixed = ("Q", [("D", 0, 1, b"abcd"), ("R", ("wire",))])
+    assert encode(mixed)[0] == 0x80 and decode(encode(mixed)) == mixed
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        bytes([3]) + b"\x00" * 20,  # cut inside a (set, id, length) record
+        bytes([3]) + (0).to_bytes(8, "little") * 2 + (9).to_bytes(8, "little") + b"x",  # 9 promised
+        bytes([3]) + (0).to_bytes(8, "little") * 2 + (-5).to_bytes(8, "little", signed=True),
+        bytes([4]) + (0).to_bytes(8, "little") + (3).to_bytes(8, "little"),  # 3 ids promised
+        bytes([4]) + (0).to_bytes(8, "little") * 2 + (4).to_bytes(8, "little") + b"ab",
+    ],
+)
+def test_malformed_eager_messages_are_refused(payload):
+    import pickle
+
+    with pytest.raises(pickle.UnpicklingError):
+        decode(payload)
+
+
 @pytest.mark.parametrize(
     "payload",
     [

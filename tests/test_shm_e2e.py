@@ -266,3 +266,28 @@ def test_interrupting_a_thread_that_runs_the_engine_fails_collectives_cleanly():
     assert "interrupted" in out.stdout, text
     assert "no error" not in out.stdout, text
     assert out.stdout.count("failed:") == 2 and "was interrupted (KeyboardInterrupt)" in text, text
+
+
+def test_response_list_larger_than_the_control_ring_reaches_every_rank():
+    """4000 first-time requests with long names make a response list of more than the 256 KiB
+    control ring; the fused allreduce that follows it must not wait on a rank that has not read
+    the rest of the list (the coordinator keeps feeding the ring while it waits for data).
+    Then the eager path: small cached allreduces come back reduced from the coordinator."""
+    script = """
+        import numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        for step in range(2):
+            hs = [hvd.allreduce_async(np.full(4, hvd.rank() + i, np.float32),
+                                      name="x" * 120 + str(i), op=hvd.Sum) for i in range(4000)]
+            for i, h in enumerate(hs):
+                assert (hvd.synchronize(h) == 2 * i + 1).all(), i
+        for i in range(50):
+            out = hvd.allreduce(np.full(3, hvd.rank() + i, np.float64), name="small", op=hvd.Sum)
+            assert (out == 2 * i + 1).all(), i
+        print("eager", current().engine.stats["eager_responses"] >= 45, flush=True)
+        print("exact", flush=True)
+    """
+    out = run_script(script, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("exact") == 2 and out.stdout.count("eager True") == 2, out.stdout

@@ -676,7 +676,7 @@ class Engine:
 
     def _send_requests(self, entries: list[Entry]) -> None:
         items: list[tuple] = []
-        eager = self.eager_bytes
+        eager = self.eager_bytes  # budget: control messages stay small (bursts: data plane)
         for e in entries:
             req = e.request
             ss = self.sets.get(req.ps_id)
@@ -692,6 +692,7 @@ class Engine:
                 and e.array.nbytes <= eager
             ):
                 data = e.array
+                eager -= data.nbytes
             if self.coordinator is not None:
                 self.coordinator.add(self.rank, req, cid, data)
             elif data is not None:
@@ -1053,6 +1054,7 @@ class _Coordinator:
         self.pending_params: tuple | None = None  # autotune's next parameters, for every rank
         self.hit_requests: dict[tuple[int, int, int], tuple[Response, Request]] = {}
         self.arrivals: list[dict[int, float]] = []  # for self.waits, not yet recorded
+        self.eager_left = 0  # bytes of eager results the list being built may still carry
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -1220,6 +1222,7 @@ class _Coordinator:
             return None
         if now < self._hold_until():
             return None
+        self.eager_left = e.eager_bytes  # what this list may carry reduced (small messages)
         built = [self._build(ps_id, name) for ps_id, name in self.ready]
         self.ready = []
         if self.shutdown_why is not None:
@@ -1286,10 +1289,13 @@ class _Coordinator:
         if data is None or len(data) != len(ss.ranks) or resp.op != ALLREDUCE:
             return None
         nbytes = resp.nbytes(DTYPE_OF_CODE[resp.dtype].itemsize)
+        if nbytes > self.eager_left:
+            return None
         for r in ss.ranks:
             d = data.get(r)
             if d is None or d.nbytes != nbytes:
                 return None
+        self.eager_left -= nbytes
         return data
 
     def _reduce_eager(self, group: list[_Built]) -> tuple:
