@@ -48,8 +48,13 @@ def iterations(nbytes: int, budget_s: float) -> int:
 # ---------------------------------------------------------------------------- workers
 def _measure(run, nbytes: int, budget: float, barrier) -> float:
     n_it = iterations(nbytes, budget)
-    for _ in range(min(3, n_it)):
+    # Warm up (caches, allocators, the response cache, every implementation alike): at least 3
+    # calls and a quarter of the budget, so that the first size measured is not penalised.
+    end = time.perf_counter() + budget / 4
+    for i in range(n_it):
         run()
+        if i >= 2 and time.perf_counter() > end:
+            break
     barrier()
     times = []
     for _ in range(n_it):

@@ -2,9 +2,11 @@
 
 Every member of a process set (and the coordinator) holds an identical copy: it changes only
 while response lists are processed, in the one order the coordinator decided, by the same
-rule — a compact ``K`` item touches its entries (most recently used), a full ``R`` item puts each
-of its tensors (replacing an older entry of the same name). Entry ids are never reused, so an
-id a rank sent before an eviction can still be resolved from the coordinator's graveyard.
+rule — a compact ``K`` (or eager ``V``) item touches its entries (most recently used), a full
+``R`` item puts each of its tensors (replacing an older entry of the same name). The ids a list
+names are all looked up before the list runs (they were live when the coordinator built it), so
+a put earlier in the list that evicts one of them does no harm. Entry ids are never reused, so
+an id a rank sent before an eviction can still be resolved from the coordinator's graveyard.
 
 A rank whose request equals the cached one sends just the id; when every rank does, the
 coordinator skips validation and answers with ids too, so steady-state training exchanges a

@@ -676,7 +676,10 @@ class Engine:
 
     def _send_requests(self, entries: list[Entry]) -> None:
         items: list[tuple] = []
-        eager = self.eager_bytes  # budget: control messages stay small (bursts: data plane)
+        # Data travels with the hits only for a few small ops alone in flight (the latency
+        # case): a burst of gradients would copy into control messages what the coordinator
+        # leaves to the data plane anyway (it reduces at most this budget per list too).
+        eager = self.eager_bytes if len(self.table) <= len(entries) else 0
         for e in entries:
             req = e.request
             ss = self.sets.get(req.ps_id)
