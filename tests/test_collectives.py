@@ -301,3 +301,41 @@ def test_size_one_without_launcher():
         assert hvd.broadcast_object("x") == "x"
     finally:
         hvd.shutdown()
+
+
+def test_size_one_runs_ops_on_the_calling_thread_and_async_ops_on_the_engine_thread():
+    """A one-process job has nobody to wait for: a synchronous op is negotiated and executed by
+    the thread that waits for it (no hand-off to the engine thread); ops submitted without
+    waiting (as backward hooks do) are picked up by the woken engine thread; shutdown stops it."""
+    import threading
+
+    from horovod.core.context import current
+
+    hvd.init()
+    try:
+        eng = current().engine
+        for i in range(50):
+            np.testing.assert_array_equal(hvd.allreduce(np.full(3, i), name="s"), np.full(3, i))
+        assert eng.stats["responses_run_by_caller"] >= 50
+        before = eng.stats["responses_run_by_caller"]
+        h = hvd.allreduce_async(np.arange(4.0), name="a")
+        done = threading.Event()
+        threading.Thread(target=lambda: (time_wait(lambda: hvd.poll(h), 10), done.set())).start()
+        assert done.wait(15) and hvd.poll(h)  # completed without anybody waiting on it
+        np.testing.assert_array_equal(hvd.synchronize(h), np.arange(4.0))
+        assert eng.stats["responses_run_by_caller"] == before  # the engine thread ran it
+        assert type(eng.transport).__name__ == "SoloTransport"
+    finally:
+        hvd.shutdown()
+    assert not eng.alive()
+
+
+def time_wait(cond, timeout: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.001)
+    return False

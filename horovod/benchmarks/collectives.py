@@ -48,13 +48,11 @@ def iterations(nbytes: int, budget_s: float) -> int:
 # ---------------------------------------------------------------------------- workers
 def _measure(run, nbytes: int, budget: float, barrier) -> float:
     n_it = iterations(nbytes, budget)
-    # Warm up (caches, allocators, the response cache, every implementation alike): at least 3
-    # calls and a quarter of the budget, so that the first size measured is not penalised.
-    end = time.perf_counter() + budget / 4
-    for i in range(n_it):
+    # Warm up (caches, allocators, the response cache; every implementation alike) with a
+    # quarter as many calls as are timed, at least 3. A count, not a time: every rank must
+    # make the same number of calls.
+    for _ in range(max(3, n_it // 4)):
         run()
-        if i >= 2 and time.perf_counter() > end:
-            break
     barrier()
     times = []
     for _ in range(n_it):

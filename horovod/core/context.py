@@ -35,7 +35,7 @@ from horovod.core.messages import decode, encode
 from horovod.core.timeline import Timeline
 from horovod.rendezvous.store import HTTPStoreClient, MemoryStore, Store
 from horovod.transport.base import Transport
-from horovod.transport.loopback import LoopbackWorld
+from horovod.transport.loopback import LoopbackWorld, SoloTransport
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 # Rendezvous stores served by rank 0 of scheduler-started jobs, by (port, key).
@@ -415,7 +415,7 @@ class Context:
         if spec is not None:
             return spec.world.store, spec.world.transport(cfg.rank, int(scope[4:]))
         if cfg.size == 1:
-            return MemoryStore(), LoopbackWorld(1).transport(0, 0)
+            return MemoryStore(), SoloTransport(cfg.spin_microseconds / 1e6)
         if not cfg.rendezvous_addr or cfg.rendezvous_port <= 0:
             raise ConfigError(
                 f"HOROVOD_SIZE={cfg.size} but HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT are not set: "

@@ -126,3 +126,46 @@ class LoopbackTransport(Transport):
             for _, h in handlers:
                 if h is not None:
                     h(self.rank, None)
+
+
+class SoloTransport(LoopbackTransport):
+    """A job of one process. Nothing can arrive from a peer, so the thread that waits for a
+    result runs the engine itself, as on shared memory (``poll_fast`` and the rest of that
+    interface, see docs/architecture.md "Who runs the engine"): a synchronous op is negotiated
+    and executed on the caller's thread instead of crossing to the engine thread and back.
+    ``kick`` wakes an engine thread blocked in ``sleep`` or ``nap``."""
+
+    kind = "LOOPBACK"
+    oversubscribed = False
+
+    def __init__(self, spin_s: float) -> None:
+        super().__init__(0, _Round(1))
+        self.spin_s = spin_s
+        self._wakeup = threading.Event()
+
+    def poll_fast(self) -> list[tuple[int, bytes]]:
+        return []
+
+    def fast_pending(self) -> bool:
+        return False
+
+    def is_fast(self, peer: int) -> bool:
+        return False
+
+    def send_fast(self, peer: int, payload: bytes) -> None:  # no peers: never called
+        self.send_ctrl(peer, payload)
+
+    def set_driving(self, on: bool) -> None:
+        pass
+
+    def kick(self) -> None:
+        self._wakeup.set()
+
+    def sleep(self, timeout: float | None, busy) -> None:
+        if not busy():
+            self._wakeup.wait(timeout)
+        self._wakeup.clear()
+
+    def nap(self, seconds: float) -> None:
+        self._wakeup.wait(max(0.0, seconds))
+        self._wakeup.clear()
