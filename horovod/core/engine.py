@@ -788,18 +788,9 @@ class Engine:
         ss = self.sets[resp.ps_id]
         if not ss.member:
             return
-        ps_id, table, stats = resp.ps_id, self.table, self.stats
-        with self.lock:
-            entries = [table.pop((ps_id, n), None) for n in resp.names]
-            if op != ERROR and op != JOIN:
-                # Until their handles complete, these entries are failed with the table if
-                # the data plane breaks or raises mid-way.
-                self.running = entries
-        stats["responses"] += 1
-        if threading.get_ident() != self._thread.ident:
-            stats["responses_run_by_caller"] += 1
-        if len(entries) > 1:
-            stats["fused_responses"] += 1
+        # Until their handles complete, running entries are failed with the table if the data
+        # plane breaks or raises mid-way.
+        entries = self._claim(resp, running=op != ERROR and op != JOIN)
         tl = self.timeline
         if op == ERROR:
             if tl is not None:
@@ -835,21 +826,28 @@ class Engine:
         if self.autotuner is not None and op == ALLREDUCE and resp.ps_id == 0:
             self._autotune(resp)
 
-    def _execute_eager(self, resp: Response, data: Any) -> None:
-        """A response that arrived reduced: the coordinator combined every rank's data (sent
-        with the cache hits), so only the copies into the outputs are left."""
-        ss = self.sets[resp.ps_id]
-        if not ss.member:
-            return
+    def _claim(self, resp: Response, running: bool) -> list[Entry | None]:
+        """Take this rank's entries of ``resp`` out of the table (None for a joined rank's),
+        as ``self.running`` too if ``running``, and count the response."""
         ps_id, table, stats = resp.ps_id, self.table, self.stats
         with self.lock:
             entries = [table.pop((ps_id, n), None) for n in resp.names]
+            if running:
+                self.running = entries
         stats["responses"] += 1
-        stats["eager_responses"] += 1
         if threading.get_ident() != self._thread.ident:
             stats["responses_run_by_caller"] += 1
         if len(entries) > 1:
             stats["fused_responses"] += 1
+        return entries
+
+    def _execute_eager(self, resp: Response, data: Any) -> None:
+        """A response that arrived reduced: the coordinator combined every rank's data (sent
+        with the cache hits), so only the copies into the outputs are left."""
+        if not self.sets[resp.ps_id].member:
+            return
+        entries = self._claim(resp, running=False)
+        self.stats["eager_responses"] += 1
         tl = self.timeline
         if tl is not None:
             rows = _rows(resp)
