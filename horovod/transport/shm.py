@@ -114,6 +114,22 @@ class _Chan:
         return True
 
 
+def _advance(items: list, move, touched: set[int]) -> list:
+    """One pass of ``move(chan, message)`` (``_Chan.put`` or ``get``) over ``items`` in order;
+    a message that cannot move blocks the later ones of its peer. Adds the peers that moved
+    something to ``touched``; returns what is left."""
+    left = []
+    blocked: set[int] = set()
+    for item in items:
+        peer, ch, mv = item
+        if peer not in blocked and move(ch, mv):
+            touched.add(peer)
+        else:
+            blocked.add(peer)
+            left.append(item)
+    return left
+
+
 class _Ring:
     """A byte stream of framed control messages from one rank to another."""
 
@@ -538,27 +554,9 @@ class ShmTransport(Transport):
         while outs or ins:
             touched: set[int] = set()
             if outs:
-                left = []
-                blocked: set[int] = set()
-                for item in outs:  # in order: a blocked message blocks the later ones to its peer
-                    peer, ch, mv = item
-                    if peer not in blocked and ch.put(mv):
-                        touched.add(peer)
-                    else:
-                        blocked.add(peer)
-                        left.append(item)
-                outs = left
+                outs = _advance(outs, _Chan.put, touched)
             if ins:
-                left = []
-                blocked = set()
-                for item in ins:
-                    peer, ch, mv = item
-                    if peer not in blocked and ch.get(mv):
-                        touched.add(peer)
-                    else:
-                        blocked.add(peer)
-                        left.append(item)
-                ins = left
+                ins = _advance(ins, _Chan.get, touched)
             for peer in touched:
                 self._wake(peer)
             if not touched and (outs or ins):
