@@ -232,8 +232,17 @@ class Config:
         16 * 1024,
         "Allreduces of at most this many bytes per rank that hit the response cache travel "
         "with their request to the coordinator, which reduces them and sends the result with "
-        "its response list: one message round instead of two (0 turns it off).",
+        "its response list: one message round instead of two (0 turns it off). When every "
+        "rank shares one host, a lone one of at most min(this, 64 KiB) goes to a peer round "
+        "instead (see HOROVOD_PEER_ROUNDS).",
         minimum=0,
+    )
+    peer_rounds: bool = _knob(
+        "HOROVOD_PEER_ROUNDS",
+        True,
+        "When every rank shares one host (shared memory), a lone small cache-hit allreduce "
+        "is posted to every peer and run by every rank itself once all of them posted the "
+        "same, without a round through rank 0 (0 turns it off).",
     )
     ring_threshold_bytes: int = _knob(
         "HOROVOD_RING_THRESHOLD_BYTES",

@@ -356,6 +356,7 @@ class Context:
                 timeline=self.timeline,
                 autotuner=self.autotuner,
                 eager_bytes=cfg.eager_allreduce_bytes,
+                peer_rounds=cfg.peer_rounds,
             )
         except BaseException:
             transport.close()

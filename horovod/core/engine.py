@@ -75,7 +75,7 @@ from horovod.core.messages import (
 )
 from horovod.core.timeline import Timeline
 from horovod.transport.base import SubTransport, Transport
-from horovod.transport.shm import _fence
+from horovod.transport.shm import BOARD_DATA, BOARD_IDS, _fence
 
 DUPLICATE_NAME = (
     "{what} is already in flight on this rank under the name '{name}'; a name may be used by only "
@@ -233,6 +233,7 @@ class Engine:
         timeline: Timeline | None = None,
         autotuner: Autotuner | None = None,
         eager_bytes: int = 0,
+        peer_rounds: bool = True,
     ) -> None:
         self.rank, self.size, self.transport = rank, size, transport
         # Cache-hit allreduces of at most this many bytes per rank travel with their requests
@@ -266,6 +267,8 @@ class Engine:
             "responses_run_by_caller": 0,  # executed by a waiting application thread
             "eager_sent": 0,  # cache hits sent with their data
             "eager_responses": 0,  # responses that arrived reduced (no data-plane round)
+            "rounds_posted": 0,  # peer rounds this rank posted ops to
+            "rounds_run": 0,  # ... that every rank posted the same to (run without rank 0)
         }
         self._register(0, range(size))
         for i, ranks in enumerate(process_sets, start=1):
@@ -290,6 +293,7 @@ class Engine:
         self.spin_s = float(getattr(transport, "spin_s", 0.0))
         self._yield = bool(getattr(transport, "oversubscribed", False))
         self._sleeping = False  # the engine thread is blocked in transport.sleep()
+        self._kicked = False  # ... and has been kicked since it last woke
         self._sleep_until: float | None = None
         self._stop_now = False
         # A thread that has just run the engine to completion is likely back in a moment (a loop
@@ -299,6 +303,15 @@ class Engine:
         # woken here for nothing). When the lease runs out the engine thread takes over.
         self.lease_s = min(10 * self.spin_s, LEASE_MAX_S)
         self._lease_until = 0.0
+        # Peer rounds (every rank on this host, see "Peer rounds" in docs/architecture.md):
+        # a lone small cache-hit allreduce is posted to every peer instead of rank 0, and run
+        # by every rank itself once all of them posted the same.
+        board = getattr(transport, "board", None)
+        self.board = board if peer_rounds and eager_bytes > 0 and size > 1 else None
+        self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
+        self.round_cids: list[int] = []
+        self.round_warn_s = stall_check_seconds
+        self.round_warn_at = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"horovod-engine-{rank}", daemon=True
         )
@@ -337,12 +350,19 @@ class Engine:
     def wake(self) -> None:
         """Make sure a sleeping engine thread looks at the inbox."""
         if self.fast and self._sleeping:
+            self._kick()
+
+    def _kick(self) -> None:
+        """Wake the sleeping engine thread: one datagram until it has woken (a thread that
+        ends ops faster than the engine thread gets a core would otherwise send one per op)."""
+        if not self._kicked:
+            self._kicked = True
             self.transport.kick()  # type: ignore[attr-defined]
 
     def _post(self, ev: tuple) -> None:
         self.inbox.put(ev)
         if self.fast and self._sleeping:
-            self.transport.kick()  # type: ignore[attr-defined]
+            self._kick()
 
     def stop(self, why: str, timeout: float) -> None:
         """Clean shutdown of this rank (propagates to every rank)."""
@@ -481,6 +501,8 @@ class Engine:
             if msg[0] == "P" and msg[2] is not None:
                 self.closing = True
             batch.append(("ctl", peer, msg))
+        if self.board is not None and self.board.due():
+            batch.append(("round",))
         inbox = self.inbox
         while not inbox.empty():
             try:
@@ -508,6 +530,7 @@ class Engine:
                             t.nap(lease)  # type: ignore[attr-defined]
                     finally:
                         self._sleeping = False
+                        self._kicked = False
                     continue
                 with self.drive:
                     if self._stop_now:
@@ -532,6 +555,7 @@ class Engine:
                     t.sleep(timeout, self._busy)  # type: ignore[attr-defined]
                 finally:
                     self._sleeping = False
+                    self._kicked = False
         except TransportError as e:
             self._abort(str(e))
         except Exception as e:
@@ -592,9 +616,9 @@ class Engine:
                     until = self._sleep_until
                     if until is None or until > time.monotonic() + 2 * self.lease_s:
                         # It sleeps past the lease's end and would not take over then.
-                        t.kick()  # type: ignore[attr-defined]
+                        self._kick()
                     elif self._busy():
-                        t.kick()  # type: ignore[attr-defined]
+                        self._kick()
             else:
                 # Gave up waiting (or stopping): the engine thread takes over at once.
                 self._lease_until = 0.0
@@ -615,7 +639,7 @@ class Engine:
             until = self._sleep_until
             wake = until is None or time.monotonic() + due < until
         if wake:
-            t.kick()  # type: ignore[attr-defined]
+            self._kick()
 
     def _send(self, peer: int, payload: bytes) -> None:
         """Engine-to-engine messages: through shared memory when the peer shares this host."""
@@ -627,9 +651,13 @@ class Engine:
     def _timeout(self) -> float | None:
         if self.closed is not None:
             return 0
-        if self.coordinator is not None:
-            return self.coordinator.timeout()
-        return 1.0 if self._shutdown_asked else None
+        due = self.coordinator.timeout() if self.coordinator is not None else None
+        if self._shutdown_asked:
+            due = 1.0 if due is None else min(due, 1.0)
+        if self.round_items and self.round_warn_s > 0:
+            left = max(0.0, self.round_warn_at - self.clock())
+            due = left if due is None else min(due, left)
+        return due
 
     def _handle(self, batch: list[tuple]) -> bool:
         """Process one batch of events; False when the engine must stop."""
@@ -663,6 +691,8 @@ class Engine:
             return False
         if submitted:
             self._send_requests(submitted)
+        if self.board is not None and (self.board.due() or self.round_items):
+            self._round_step()
         if self.coordinator is not None:
             lst = self.coordinator.maybe_emit()
             if lst is not None:
@@ -674,7 +704,15 @@ class Engine:
             self.timeline.flush()
         return True
 
-    def _send_requests(self, entries: list[Entry]) -> None:
+    def _send_requests(self, entries: list[Entry], rounds: bool = True) -> None:
+        if (
+            rounds
+            and self.board is not None
+            and not self.board.open
+            and len(self.table) <= len(entries)
+            and self._post_round(entries)
+        ):
+            return
         items: list[tuple] = []
         # Data travels with the hits only for a few small ops alone in flight (the latency
         # case): a burst of gradients would copy into control messages what the coordinator
@@ -710,6 +748,102 @@ class Engine:
                 self.stats["requests_sent"] += 1
         if items:
             self._send(0, encode(("Q", items)))
+
+    # ------------------------------------------------------------------ peer rounds
+    def _post_round(self, entries: list[Entry]) -> bool:
+        """Post ``entries`` to the next peer round if all of them are small allreduces of
+        the global set that hit the cache (the ops alone in flight on this rank)."""
+        ss = self.sets[0]
+        cache = ss.cache
+        if not cache.enabled or self.closing or len(entries) > BOARD_IDS:
+            return False
+        budget = min(self.eager_bytes, BOARD_DATA)
+        cids: list[int] = []
+        parts: list[memoryview] = []
+        items: list[tuple[Entry, Response]] = []
+        for e in entries:
+            req = e.request
+            if req.ps_id != 0 or req.op != ALLREDUCE or req.reduce_op not in ops.UFUNCS:
+                return False
+            budget -= e.array.nbytes
+            if budget < 0:
+                return False
+            cid = cache.lookup(req.name, req.signature(), ss.set_rank)
+            if cid is None:
+                return False
+            cids.append(cid)
+            parts.append(memoryview(e.array.reshape(-1).view(np.uint8)))
+            items.append((e, cache.live[cid]))
+        self.transport.board_post(cids, parts)  # type: ignore[attr-defined]
+        self.round_items, self.round_cids = items, cids
+        self.round_warn_at = self.clock() + self.round_warn_s
+        self.stats["rounds_posted"] += 1
+        return True
+
+    def _round_step(self) -> None:
+        """Decide the peer rounds that can be decided: answer a peer that posted a round this
+        rank has not (with nothing: this rank's own ops went to rank 0 or are not small cache
+        hits), and run or hand over this rank's posted ops once every peer has posted."""
+        board = self.board
+        assert board is not None
+        while board.due():
+            if not board.open:
+                if not self.table and (
+                    threading.get_ident() != self._thread.ident
+                    or self._lease_until > time.perf_counter()
+                ):
+                    # Nothing in flight, and a thread that just ran an op here is probably
+                    # about to submit the next (the same one as the peer's, in a loop): leave
+                    # the answer to it, or to the engine thread once its lease has run out.
+                    break
+                self.transport.board_post((), ())  # type: ignore[attr-defined]
+                self.round_items, self.round_cids = [], []
+                continue
+            posts = board.read()
+            board.open = False
+            items, self.round_items = self.round_items, []
+            if not items:
+                continue
+            cids, self.round_cids = self.round_cids, []
+            nbytes = sum(e.array.nbytes for e, _ in items)
+            if all(c == cids and d.nbytes == nbytes for _, c, d in posts):
+                self._run_round(items, posts)
+                continue
+            # Some peer posted something else (or nothing): every rank sees the same posts,
+            # so all of them hand their ops to rank 0 as usual.
+            with self.lock:
+                live = [e for e, _ in items if self.table.get(e.key) is e]
+            if live:
+                self._send_requests(live, rounds=False)
+        if self.round_items and self.round_warn_s > 0:
+            now = self.clock()
+            if now >= self.round_warn_at:
+                self.round_warn_at = now + self.round_warn_s
+                e = self.round_items[0][0]
+                logger.warning(
+                    "rank %d: %s has waited %.0f s for ranks %s to submit it too (posted to a "
+                    "peer round%s); they have not, and their engines have not answered",
+                    self.rank,
+                    display_name(e.request.op, e.request.name),
+                    self.round_warn_s,
+                    _ranks(board.waiting()),
+                    f" at {e.handle.callsite}" if e.handle.callsite else "",
+                )
+
+    def _run_round(self, items: list[tuple[Entry, Response]], posts: list[tuple]) -> None:
+        """Every rank posted these ops with its data: each reduces all parts in rank order,
+        with the data plane's numerics, so every rank computes the same bits."""
+        self.stats["rounds_run"] += 1
+        off = 0
+        for e, resp in items:
+            dtype = DTYPE_OF_CODE[resp.dtype]
+            mine = e.array.reshape(-1)
+            count = mine.size
+            parts = [mine] * self.size
+            for r, _, data in posts:
+                parts[r] = np.frombuffer(data, dtype, count, off)
+            off += mine.nbytes
+            self._execute_eager(resp, _fold(parts, resp, self.size), "PEER_ALLREDUCE")
 
     def _resend(self, wanted: list[tuple[int, int]]) -> None:
         want = set(wanted)
@@ -841,9 +975,11 @@ class Engine:
             stats["fused_responses"] += 1
         return entries
 
-    def _execute_eager(self, resp: Response, data: Any) -> None:
-        """A response that arrived reduced: the coordinator combined every rank's data (sent
-        with the cache hits), so only the copies into the outputs are left."""
+    def _execute_eager(
+        self, resp: Response, data: Any, activity: str = "COORDINATOR_ALLREDUCE"
+    ) -> None:
+        """A response that arrived reduced: the coordinator (or, after a peer round, this
+        rank) combined every rank's data, so only the copies into the outputs are left."""
         if not self.sets[resp.ps_id].member:
             return
         entries = self._claim(resp, running=False)
@@ -852,7 +988,7 @@ class Engine:
         if tl is not None:
             rows = _rows(resp)
             tl.ops_start(rows, OP_NAMES[resp.op])
-            tl.activity(rows, "COORDINATOR_ALLREDUCE")
+            tl.activity(rows, activity)
         result = np.frombuffer(data, DTYPE_OF_CODE[resp.dtype])
         off = 0
         for e, shape in zip(entries, resp.shapes, strict=True):
@@ -958,6 +1094,27 @@ def _merge(parts: list[Response]) -> Response:
 # A response the coordinator decided on: the response, its cache id (all ranks hit it), and for
 # an eager allreduce every member's data (global rank -> bytes), else None.
 _Built = tuple[Response, int | None, dict[int, Any] | None]
+
+
+def _fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
+    """An allreduce of ``parts`` (one per rank, in rank order, left untouched) with the data
+    plane's numerics: prescale each part, fold them in order, postscale (Average divides by
+    ``nranks``), integers truncated. A new array."""
+    reducer = ops.UFUNCS[resp.reduce_op]
+    pre = resp.prescale
+    post = resp.postscale / nranks if resp.reduce_op == AVERAGE else resp.postscale
+    if pre != 1.0:
+        parts = [p.copy() for p in parts]
+        for p in parts:
+            ops.scale(p, pre)
+    if len(parts) == 1:
+        acc = parts[0].copy()
+    else:
+        acc = reducer(parts[0], parts[1])
+        for p in parts[2:]:
+            reducer(acc, p, out=acc)
+    ops.scale(acc, post)
+    return acc
 
 
 def _fusible(head: Response, r: Response, e: Engine) -> bool:
@@ -1301,28 +1458,15 @@ class _Coordinator:
 
     def _reduce_eager(self, group: list[_Built]) -> tuple:
         """The "V" item of responses whose data every rank sent: reduced here, in rank order,
-        with the data plane's numerics (prescale each rank's part, fold, postscale)."""
+        with the data plane's numerics (``_fold``)."""
         head = group[0][0]
         ss = self.e.sets[head.ps_id]
         dtype = DTYPE_OF_CODE[head.dtype]
-        reducer = ops.UFUNCS[head.reduce_op]
-        post = head.postscale / len(ss.ranks) if head.reduce_op == AVERAGE else head.postscale
-        pre = head.prescale
-        acc: np.ndarray | None = None
+        parts = []
         for r in ss.ranks:
-            parts = [np.frombuffer(d[r], dtype) for _, _, d in group]  # type: ignore[index]
-            owned = len(parts) > 1
-            part = np.concatenate(parts) if owned else parts[0]
-            if acc is None or pre != 1.0:
-                if not owned:
-                    part = part.copy()
-                ops.scale(part, pre)
-            if acc is None:
-                acc = part
-            else:
-                reducer(acc, part, out=acc)
-        assert acc is not None
-        ops.scale(acc, post)
+            mine = [np.frombuffer(d[r], dtype) for _, _, d in group]  # type: ignore[index]
+            parts.append(np.concatenate(mine) if len(mine) > 1 else mine[0])
+        acc = _fold(parts, head, len(ss.ranks))
         return ("V", head.ps_id, [c for _, c, _ in group], acc.tobytes())
 
     def _fuse(self, built: list[_Built]) -> list[tuple]:

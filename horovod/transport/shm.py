@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,6 +62,8 @@ RING = 256 * 1024  # control-message ring per pair and direction
 FRAME = 8  # little-endian length before each control message
 _DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
 _POLL_MS = 200
+BOARD_DATA = 64 * 1024  # data of one peer-round post (eager allreduces); at most
+BOARD_IDS = PAGE // 8 - 8  # cache ids per post
 _STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
 
@@ -221,6 +224,90 @@ class _Ring:
             v.release()
 
 
+class _Board:
+    """Peer rounds of the engine (see "Peer rounds" in docs/architecture.md): each rank posts
+    what it is about to run (cache ids and their data) for round ``n`` into its own segment;
+    every rank reads every peer's post once all have posted, so all of them decide the same.
+
+    A rank posts round n+1 only after reading every post of round n, so a peer is at most one
+    round ahead: two slots (by parity) per rank suffice. ``latest`` is published after the
+    slot's contents (like a channel's counter)."""
+
+    __slots__ = ("latest", "slots", "peers", "n", "open", "_mine", "_peer_slots")
+
+    def __init__(self, mine: mmap.mmap, peers: dict[int, mmap.mmap], base: int) -> None:
+        def views(mem: mmap.mmap) -> tuple[memoryview, list[tuple[memoryview, memoryview]]]:
+            mv = memoryview(mem)
+            latest = mv[base : base + 8].cast("q")
+            slots = []
+            for k in range(2):
+                at = base + PAGE + k * (PAGE + BOARD_DATA)
+                slots.append((mv[at : at + PAGE].cast("q"), mv[at + PAGE : at + PAGE + BOARD_DATA]))
+            return latest, slots
+
+        self.latest, self._mine = views(mine)
+        self.peers = [(r, *views(m)) for r, m in sorted(peers.items())]
+        self.n = 0  # the last round this rank posted
+        self.open = False  # ... and not everybody has posted it yet
+
+    def due(self) -> bool:
+        """Can this rank's open round be decided, or does a peer wait for this rank's post?"""
+        if self.open:
+            n = self.n
+            for _, latest, _ in self.peers:
+                if latest[0] < n:
+                    return False
+            return True
+        n = self.n
+        for _, latest, _ in self.peers:
+            if latest[0] > n:
+                return True
+        return False
+
+    def waiting(self) -> list[int]:
+        """Peers that have not posted this rank's open round yet."""
+        return [r for r, latest, _ in self.peers if latest[0] < self.n]
+
+    def post(self, cids: Sequence[int], parts: Sequence[memoryview]) -> None:
+        """Post round ``n + 1``: ``cids`` (empty: nothing to run) and their data, in order."""
+        n = self.n + 1
+        head, data = self._mine[n % 2]
+        off = 0
+        for mv in parts:
+            end = off + mv.nbytes
+            data[off:end] = mv
+            off = end
+        k = len(cids)
+        head[1] = k
+        head[2] = off
+        head[8 : 8 + k] = memoryview(array("q", cids))
+        head[0] = n
+        _order()
+        self.latest[0] = n
+        self.n = n
+        self.open = True
+
+    def read(self) -> list[tuple[int, list[int], memoryview]]:
+        """Every peer's post of round ``n`` (rank, cache ids, data); call once ``due()``."""
+        n = self.n
+        _order()
+        out = []
+        for r, _, slots in self.peers:
+            head, data = slots[n % 2]
+            if head[0] != n:
+                raise TransportError(f"rank {r}'s post of engine round {n} is missing")
+            k = head[1]
+            out.append((r, head[8 : 8 + k].tolist(), data[: head[2]]))
+        return out
+
+    def release(self) -> None:
+        for v in (self.latest, *(x for pair in self._mine for x in pair)):
+            v.release()
+        for _, latest, slots in self.peers:
+            for v in (latest, *(x for pair in slots for x in pair)):
+                v.release()
+
+
 class _Pending:
     """A message in progress over a channel: bytes (copy) or an array to reduce into.
     ``direct``: it moves by single copy (the sender posts its address in one slot, the receiver
@@ -287,6 +374,7 @@ class ShmTransport(Transport):
         self._esock: socket.socket | None = None  # wakes its engine thread
         self._path: str | None = None
         self._sock_paths: list[str] = []
+        self.board: _Board | None = None  # the engine's peer rounds (all ranks on this host)
         # Single copy (cross-memory attach): messages of at least this many bytes (0: off).
         self.single_copy = 0
         self._pids: dict[int, int] = {}
@@ -323,6 +411,9 @@ class ShmTransport(Transport):
         return PAGE + self.nslots * self.chunk
 
     def _seg_bytes(self) -> int:
+        return self._board_base() + PAGE + 2 * (PAGE + BOARD_DATA)
+
+    def _board_base(self) -> int:
         return PAGE + (len(self.local) - 1) * (self._chan_bytes() + PAGE + RING)
 
     def _setup(self, store: Store, scope: str, secret: bytes, timeout: float) -> None:
@@ -430,6 +521,8 @@ class ShmTransport(Transport):
             self._rin[r] = _Ring(mine, rings + self._index(me, r) * (PAGE + RING))
             self._rout[r] = _Ring(theirs, rings + self._index(r, me) * (PAGE + RING))
         self._me_asleep = memoryview(mine)[0:72].cast("q")
+        if len(self.local) == self.size:  # peer rounds need every rank on this host
+            self.board = _Board(mine, {r: self._maps[r] for r in self.peers}, self._board_base())
 
     def _setup_single_copy(self, store: Store, scope: str, timeout: float, threshold: int) -> None:
         """Use single-copy transfers if every local rank can read every other one's memory:
@@ -940,8 +1033,20 @@ class ShmTransport(Transport):
             self._flush_backlog()
         return got
 
+    def board_post(self, cids: Sequence[int], parts: Sequence[memoryview]) -> None:
+        """Post the engine's next peer round (``_Board.post``) and wake sleeping peers."""
+        board = self.board
+        assert board is not None
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        board.post(cids, parts)
+        for peer in self.peers:
+            self._wake(peer, ctrl=True)
+
     def fast_pending(self) -> bool:
-        """Is there anything for ``poll_fast`` to read or send?"""
+        """Is there anything for ``poll_fast`` to read or send, or a peer round to decide?"""
+        if self.board is not None and self.board.due():
+            return True
         for ring in self._rin.values():
             if ring.count != ring.wr[0]:
                 return True
@@ -1047,6 +1152,9 @@ class ShmTransport(Transport):
             v.release()
         for ring in list(self._rin.values()) + list(self._rout.values()):
             ring.release()
+        if self.board is not None:
+            self.board.release()
+            self.board = None
         self._rin.clear()
         self._rout.clear()
         if hasattr(self, "_me_asleep"):
