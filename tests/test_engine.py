@@ -2,6 +2,7 @@
 re-initialisation."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -506,3 +507,122 @@ def test_eager_bursts_fuse_and_large_tensors_use_the_data_plane():
         assert 0 < stats["eager_responses"] < 3 * 31
         assert stats["responses"] - stats["eager_responses"] >= 3
         assert stats["fused_responses"] >= 3
+
+
+# ---------------------------------------------------------------- peer rounds (shared memory)
+def _shm_engines(n: int, **kw):
+    """``n`` engines on real shared-memory transports (threads of this process)."""
+    from test_transports import _make
+
+    from horovod.core.engine import Engine
+
+    ts = _make("shm", n, spin_us=50.0)
+    engines = [
+        Engine(
+            r,
+            n,
+            ts[r],
+            fusion_threshold=1 << 20,
+            cycle_time_ms=1.0,
+            cache_capacity=64,
+            eager_bytes=16384,
+            **kw,
+        )
+        for r in range(n)
+    ]
+    for e in engines:
+        e.start()
+    return engines
+
+
+def _submit(eng, name: str, x: np.ndarray):
+    from horovod.common.dtypes import code_of
+    from horovod.core.engine import Entry, Handle
+    from horovod.core.messages import ALLREDUCE, SUM, Request
+
+    h = Handle(1)
+    req = Request(0, name, ALLREDUCE, code_of(x.dtype, "allreduce"), x.shape, SUM)
+    eng.submit([Entry(req, x, np.empty_like(x), h)])
+    return h
+
+
+def _stop_all(engines) -> None:
+    threads = [threading.Thread(target=e.stop, args=("test done", 10.0)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+
+
+def test_a_peer_round_nobody_answers_is_reported_with_the_op_and_the_silent_rank(caplog):
+    """A rank's posted op waits for its peers' posts; when a peer's engine does not answer
+    (here: held), the waiting rank says which op waits for which rank, and the op completes
+    through rank 0 once the peer answers and submits it."""
+    engines = _shm_engines(2, stall_check_seconds=0.3)
+    try:
+
+        def both(name, v):
+            hs = [_submit(e, name, np.full(3, v + r, np.float32)) for r, e in enumerate(engines)]
+            deadline = time.monotonic() + 10
+            while not all(h.done() for h in hs) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return [h.wait()[0] for h in hs]
+
+        for step in range(3):  # the first negotiates, the others hit the cache
+            assert all((out == 2 * step + 1).all() for out in both("w", step))
+        assert all(e.stats["rounds_run"] >= 1 for e in engines)
+        with engines[1].drive:  # rank 1's engine cannot run: nobody answers rank 0's post
+            with caplog.at_level("WARNING", logger="horovod"):
+                h0 = _submit(engines[0], "w", np.full(3, 10.0, np.float32))
+                time.sleep(0.8)
+            assert not h0.done()
+        msgs = [r.getMessage() for r in caplog.records if "peer round" in r.getMessage()]
+        assert msgs and msgs[0].startswith("rank 0: allreduce 'w'"), msgs
+        assert "for rank 1 to post" in msgs[0], msgs
+        h1 = _submit(engines[1], "w", np.full(3, 5.0, np.float32))
+        for h in (h0, h1):
+            assert (h.wait()[0] == 15.0).all()
+    finally:
+        _stop_all(engines)
+
+
+def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
+    """Three ranks post async ops in different orders (their rounds disagree: everything goes
+    through rank 0) and then in the same order (rounds run them); one rank with peer rounds
+    off still answers the others. Every result is exact."""
+    for off_on in (None, 2):
+        engines = _shm_engines(3)
+        if off_on is not None:
+            engines[off_on].round_budget = 0
+        try:
+            errors: list = []
+
+            def rank(r, engines=engines, errors=errors):
+                eng = engines[r]
+                try:
+                    for step in range(30):
+                        names = ["a", "b"] if (r + step) % 2 else ["b", "a"]
+                        hs = {n: _submit(eng, n, np.full(2, r + step, np.int64)) for n in names}
+                        for n, h in hs.items():
+                            assert (h.wait()[0] == 3 + 3 * step).all(), (r, step, n)
+                        out = _submit(eng, "c", np.full(2, r * step, np.float64)).wait()[0]
+                        assert (out == 3 * step).all(), (r, step)
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    errors.append(repr(exc))
+
+            threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not any(t.is_alive() for t in threads), "a rank hung"
+            assert errors == []
+            posted = [e.stats["rounds_posted"] for e in engines]
+            run = [e.stats["rounds_run"] for e in engines]
+            if off_on is None:
+                assert all(p > rn for p, rn in zip(posted, run, strict=True))  # some fell back
+                assert all(rn >= 1 for rn in run)
+            else:
+                assert posted[off_on] == 0 and run == [0, 0, 0]
+        finally:
+            _stop_all(engines)

@@ -291,3 +291,57 @@ def test_response_list_larger_than_the_control_ring_reaches_every_rank():
     out = run_script(script, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("exact") == 2 and out.stdout.count("eager True") == 2, out.stdout
+
+
+def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane():
+    """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer
+    truncation, a grouped op) run as peer rounds by default: every rank computes the result
+    itself, and it must be bit for bit what the coordinator's eager path and the data plane's
+    direct exchange give, on every rank."""
+    script = """
+        import hashlib, numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        cases = [
+            (np.float32, hvd.Average, 1.0, 1.0), (np.float32, hvd.Sum, 0.5, 3.0),
+            (np.float64, hvd.Product, 1.0, 1.0), (np.float16, hvd.Sum, 1.0, 0.25),
+            (np.int32, hvd.Average, 1.0, 1.0), (np.int64, hvd.Min, 1.0, 1.0),
+            (np.uint8, hvd.Max, 1.0, 1.0), (np.bool_, hvd.Max, 1.0, 1.0),
+        ]
+        rng = np.random.default_rng(100 + hvd.rank())
+        digest = hashlib.sha256()
+        for step in range(4):  # steps 2 to 4 hit the response cache
+            for i, (dtype, op, pre, post) in enumerate(cases):
+                if dtype is np.bool_:
+                    x = rng.random(7) > 0.5
+                elif np.dtype(dtype).kind == "f":
+                    x = (rng.standard_normal(7) * 10).astype(dtype)
+                else:
+                    x = rng.integers(0, 50, 7).astype(dtype)
+                out = hvd.allreduce(x, name=f"c{i}", op=op, prescale_factor=pre,
+                                    postscale_factor=post)
+                digest.update(out.dtype.str.encode() + out.tobytes())
+            outs = hvd.grouped_allreduce([rng.standard_normal(5), rng.standard_normal(3)],
+                                         name="g", op=hvd.Sum)
+            digest.update(b"".join(o.tobytes() for o in outs))
+        print("digest", hvd.rank(), digest.hexdigest(),
+              "rounds", current().engine.stats["rounds_run"], flush=True)
+    """
+    digests = {}
+    for mode, env in [
+        ("rounds", {}),
+        ("coordinator", {"HOROVOD_PEER_ROUNDS": "0"}),
+        ("data plane", {"HOROVOD_EAGER_ALLREDUCE_BYTES": "0"}),
+    ]:
+        out = run_script(script, np_=3, env=env, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        found = re.findall(r"digest (\d) (\w+) rounds (\d+)", out.stdout)
+        assert len(found) == 3, out.stdout
+        assert len({d for _, d, _ in found}) == 1, (mode, found)  # every rank alike
+        digests[mode] = found[0][1]
+        rounds = [int(n) for _, _, n in found]
+        if mode == "rounds":
+            assert all(n >= 1 for n in rounds), found
+        else:
+            assert rounds == [0, 0, 0], found
+    assert len(set(digests.values())) == 1, digests

@@ -551,3 +551,64 @@ def test_a_peer_that_sent_everything_and_left_is_not_lost():
             assert (got == 7).all()
         finally:
             ts[1].close()
+
+
+def test_peer_round_board_posts_are_read_by_every_rank_once_all_posted():
+    """The engine's peer rounds: a post is visible to every peer only once all ranks posted
+    the round; each rank reads the others' ids and data (two slots by parity, so a rank one
+    round ahead does not overwrite what a slower one has yet to read)."""
+    ts = _make("shm", 3)
+    try:
+        b = [t.board for t in ts]
+        assert all(x is not None for x in b)
+        ts[0].board_post([7, 9], [memoryview(b"abc"), memoryview(b"de")])
+        assert b[0].open and not b[0].due()  # ranks 1 and 2 have not posted
+        assert b[1].due() and b[2].due()  # ... and see that rank 0 waits for them
+        assert b[0].waiting() == [1, 2]
+        ts[1].board_post([7, 9], [memoryview(b"xyz12")])
+        ts[2].board_post([], [])  # nothing to run
+        assert all(x.due() for x in b)
+        got = [x.read() for x in b]
+        assert got[0] == [(1, [7, 9], memoryview(b"xyz12")), (2, [], memoryview(b""))]
+        assert got[1] == [(0, [7, 9], memoryview(b"abcde")), (2, [], memoryview(b""))]
+        for x in b:
+            x.open = False
+        assert not any(x.due() for x in b)
+        # Rank 1 runs ahead into round 2 (into the other slot: round 1's stays readable for a
+        # slower rank); rank 2 reads everybody's round 2.
+        ts[1].board_post([1], [memoryview(b"r2")])
+        assert b[0].due() and b[2].due() and not b[1].due()
+        ts[0].board_post([1], [memoryview(b"s2")])
+        ts[2].board_post([1], [memoryview(b"t2")])
+        assert [(r, bytes(d)) for r, _, d in b[2].read()] == [(0, b"s2"), (1, b"r2")]
+    finally:
+        _close(ts)
+
+
+def test_a_peer_round_post_wakes_a_sleeping_engine():
+    ts = _make("shm", 2)
+    try:
+        woke = threading.Event()
+
+        def sleeper():
+            ts[1].sleep(5.0, lambda: False)
+            woke.set()
+
+        th = threading.Thread(target=sleeper)
+        th.start()
+        time.sleep(0.1)  # asleep by now
+        assert not woke.is_set()
+        ts[0].board_post([1], [memoryview(b"x")])
+        assert woke.wait(2), "the post did not wake the peer's engine"
+        th.join(5)
+        assert ts[1].fast_pending()  # the round waits for its answer
+    finally:
+        _close(ts)
+
+
+def test_peer_rounds_need_every_rank_on_the_host():
+    out = _create(["a", "a", "b", "b"])
+    try:
+        assert all(t.board is None for t in out)
+    finally:
+        _close(out)

@@ -306,12 +306,15 @@ class Engine:
         # Peer rounds (every rank on this host, see "Peer rounds" in docs/architecture.md):
         # a lone small cache-hit allreduce is posted to every peer instead of rank 0, and run
         # by every rank itself once all of them posted the same.
-        board = getattr(transport, "board", None)
-        self.board = board if peer_rounds and eager_bytes > 0 and size > 1 else None
+        # Every rank with a board answers its peers' rounds, even one that posts none itself
+        # (HOROVOD_PEER_ROUNDS and the eager budget need not agree between ranks).
+        self.board = getattr(transport, "board", None)
+        self.round_budget = min(eager_bytes, BOARD_DATA) if peer_rounds else 0
         self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
         self.round_cids: list[int] = []
         self.round_warn_s = stall_check_seconds
         self.round_warn_at = 0.0
+        self.round_posted_at = 0.0
         self._thread = threading.Thread(
             target=self._run, name=f"horovod-engine-{rank}", daemon=True
         )
@@ -755,9 +758,9 @@ class Engine:
         the global set that hit the cache (the ops alone in flight on this rank)."""
         ss = self.sets[0]
         cache = ss.cache
-        if not cache.enabled or self.closing or len(entries) > BOARD_IDS:
+        budget = self.round_budget
+        if budget <= 0 or not cache.enabled or self.closing or len(entries) > BOARD_IDS:
             return False
-        budget = min(self.eager_bytes, BOARD_DATA)
         cids: list[int] = []
         parts: list[memoryview] = []
         items: list[tuple[Entry, Response]] = []
@@ -776,7 +779,8 @@ class Engine:
             items.append((e, cache.live[cid]))
         self.transport.board_post(cids, parts)  # type: ignore[attr-defined]
         self.round_items, self.round_cids = items, cids
-        self.round_warn_at = self.clock() + self.round_warn_s
+        self.round_posted_at = self.clock()
+        self.round_warn_at = self.round_posted_at + self.round_warn_s
         self.stats["rounds_posted"] += 1
         return True
 
@@ -821,13 +825,14 @@ class Engine:
                 self.round_warn_at = now + self.round_warn_s
                 e = self.round_items[0][0]
                 logger.warning(
-                    "rank %d: %s has waited %.0f s for ranks %s to submit it too (posted to a "
-                    "peer round%s); they have not, and their engines have not answered",
+                    "rank %d: %s%s has waited %.1f s in a peer round for %s to post too: not "
+                    "submitted there yet, and that engine has not answered (busy or blocked "
+                    "outside Horovod?)",
                     self.rank,
                     display_name(e.request.op, e.request.name),
-                    self.round_warn_s,
+                    f" (submitted at {e.handle.callsite})" if e.handle.callsite else "",
+                    now - self.round_posted_at,
                     _ranks(board.waiting()),
-                    f" at {e.handle.callsite}" if e.handle.callsite else "",
                 )
 
     def _run_round(self, items: list[tuple[Entry, Response]], posts: list[tuple]) -> None:
