@@ -9,6 +9,7 @@ import pytest
 
 import horovod.numpy as hvd
 from horovod.core.context import current
+from horovod.core.messages import ALLGATHER, ALLREDUCE, BROADCAST
 from horovod.testing import run_ranks
 
 
@@ -538,7 +539,7 @@ def _shm_engines(n: int, **kw):
 def _submit(eng, name: str, x: np.ndarray):
     from horovod.common.dtypes import code_of
     from horovod.core.engine import Entry, Handle
-    from horovod.core.messages import ALLREDUCE, SUM, Request
+    from horovod.core.messages import SUM, Request
 
     h = Handle(1)
     req = Request(0, name, ALLREDUCE, code_of(x.dtype, "allreduce"), x.shape, SUM)
@@ -626,3 +627,54 @@ def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
                 assert posted[off_on] == 0 and run == [0, 0, 0]
         finally:
             _stop_all(engines)
+
+
+def _submit_op(eng, op: int, name: str, x: np.ndarray, root: int = -1):
+    from horovod.common.dtypes import code_of
+    from horovod.core.engine import Entry, Handle
+    from horovod.core.messages import SUM, Request
+
+    h = Handle(1)
+    req = Request(0, name, op, code_of(x.dtype, "op"), x.shape, SUM, root)
+    out = np.empty_like(x) if op != ALLGATHER else None
+    eng.submit([Entry(req, x, out, h)])
+    return h
+
+
+def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():
+    """Each rank posts a lone small cached allreduce to a peer round and at once submits ops
+    that go through rank 0 and the data plane (a large allreduce, an allgather, a broadcast):
+    the round completes on its own, whatever the lists do meanwhile. Every result is checked."""
+    engines = _shm_engines(2)
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            try:
+                for step in range(60):
+                    hs = _submit_op(eng, ALLREDUCE, "s", np.full(4, r + step, np.float64))
+                    time.sleep(0.002)  # posted by now, most of the time
+                    hg = _submit_op(eng, ALLGATHER, "g", np.full((2, 3), r + step, np.int32))
+                    hz = _submit_op(eng, ALLREDUCE, "z", np.full(50_000, r + step, np.float32))
+                    hb = _submit_op(eng, BROADCAST, "b", np.full(4, r * 10 + step, np.int64), 1)
+                    assert (hs.wait()[0] == 2 * step + 1).all()
+                    g = hg.wait()[0]
+                    assert g.shape == (4, 3) and (g[:2] == step).all() and (g[2:] == step + 1).all()
+                    assert (hz.wait()[0] == 2 * step + 1).all()
+                    assert (hb.wait()[0] == 10 + step).all()
+                    b = _submit_op(eng, BROADCAST, "lone", np.full(8, r + step, np.int64), 0)
+                    assert (b.wait()[0] == step).all()
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert errors == []
+        assert all(e.stats["rounds_run"] >= 10 for e in engines), [e.stats for e in engines]
+    finally:
+        _stop_all(engines)
