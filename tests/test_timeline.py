@@ -382,3 +382,32 @@ def test_speedscope_export_names_every_end_and_filters(tmp_path):
     dst = str(tmp_path / "ss.json")
     assert summary_main(["speedscope", path, dst]) == 0
     assert len(read(dst)) > len(body)
+
+
+@pytest.mark.e2e
+def test_peer_round_allreduces_appear_in_the_timeline(tmp_path):
+    """Small cached allreduces that peer rounds decide (ranks sharing a host) show as
+    ALLREDUCE spans with a PEER_ALLREDUCE activity on rank 0's timeline."""
+    from conftest import run_script
+
+    path = str(tmp_path / "peer.json")
+    out = run_script(
+        """
+        import numpy as np
+        import horovod.numpy as hvd
+        from horovod.core.context import current
+
+        hvd.init()
+        for step in range(20):
+            hvd.allreduce(np.ones(3) * step, name="loss")
+        print("rounds", current().engine.stats["rounds_run"], flush=True)
+        """,
+        env={"HOROVOD_TIMELINE": path},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    events = read(path)
+    peer = [e for e in rows(events)["allreduce.loss"] if e.get("name") == "PEER_ALLREDUCE"]
+    counts = [int(n) for n in re.findall(r"rounds (\d+)", out.stdout)]
+    assert len(counts) == 2 and min(counts) >= 1 and len(peer) >= 1, out.stdout
+    for evs in rows(events).values():
+        spans(evs)
