@@ -594,7 +594,7 @@ def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
     for off_on in (None, 2):
         engines = _shm_engines(3)
         if off_on is not None:
-            engines[off_on].round_budget = 0
+            engines[off_on].peer_rounds = False
         try:
             errors: list = []
 

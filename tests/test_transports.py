@@ -565,12 +565,15 @@ def test_peer_round_board_posts_are_read_by_every_rank_once_all_posted():
         assert b[0].open and not b[0].due()  # ranks 1 and 2 have not posted
         assert b[1].due() and b[2].due()  # ... and see that rank 0 waits for them
         assert b[0].waiting() == [1, 2]
-        ts[1].board_post([7, 9], [memoryview(b"xyz12")])
+        ts[1].board_post([7, 9], [memoryview(b"xyz12")], tag=5)
+        b[2].deferred = True  # a deferred answer hides the open round until rank 2 posts
+        assert not b[2].due() and b[2].opened()
         ts[2].board_post([], [])  # nothing to run
+        assert not b[2].deferred
         assert all(x.due() for x in b)
         got = [x.read() for x in b]
-        assert got[0] == [(1, [7, 9], memoryview(b"xyz12")), (2, [], memoryview(b""))]
-        assert got[1] == [(0, [7, 9], memoryview(b"abcde")), (2, [], memoryview(b""))]
+        assert got[0] == [(1, 5, [7, 9], memoryview(b"xyz12")), (2, 0, [], memoryview(b""))]
+        assert got[1] == [(0, 0, [7, 9], memoryview(b"abcde")), (2, 0, [], memoryview(b""))]
         for x in b:
             x.open = False
         assert not any(x.due() for x in b)
@@ -580,7 +583,7 @@ def test_peer_round_board_posts_are_read_by_every_rank_once_all_posted():
         assert b[0].due() and b[2].due() and not b[1].due()
         ts[0].board_post([1], [memoryview(b"s2")])
         ts[2].board_post([1], [memoryview(b"t2")])
-        assert [(r, bytes(d)) for r, _, d in b[2].read()] == [(0, b"s2"), (1, b"r2")]
+        assert [(r, bytes(d)) for r, _, _, d in b[2].read()] == [(0, b"s2"), (1, b"r2")]
     finally:
         _close(ts)
 

@@ -86,6 +86,10 @@ DUPLICATE_NAME = (
 
 MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
 LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its wait
+# Longest that a rank with nothing in flight leaves a peer's round unanswered (waiting to post
+# the same ops itself: ranks of a training job reach their gradients at slightly different
+# times). Capped at a tenth of the stall-check time, so stalls still reach rank 0 early.
+ANSWER_WAIT_MAX_S = 0.5
 
 
 class Handle:
@@ -309,9 +313,24 @@ class Engine:
         # Every rank with a board answers its peers' rounds, even one that posts none itself
         # (HOROVOD_PEER_ROUNDS and the eager budget need not agree between ranks).
         self.board = getattr(transport, "board", None)
-        self.round_budget = min(eager_bytes, BOARD_DATA) if peer_rounds else 0
+        self.peer_rounds = peer_rounds
+        # Small allreduces post their data and are folded by every rank ("fold" rounds);
+        # other cached ops post only their ids and run on the data plane ("plane" rounds).
+        self.round_budget = min(eager_bytes, BOARD_DATA)
         self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
         self.round_cids: list[int] = []
+        self.round_tag = 0
+        # Response lists processed so far (every rank processes the same lists in the same
+        # order). A plane round runs only where every rank posted at the same count, and a
+        # rank holds back the lists that arrive after its plane post until the round is
+        # decided, so every pair of ranks meets the round at the same place in its channels.
+        self.lists_done = 0
+        self.held: list[tuple] = []
+        if stall_check_seconds > 0:
+            self.answer_wait_s = min(ANSWER_WAIT_MAX_S, stall_check_seconds / 10)
+        else:
+            self.answer_wait_s = ANSWER_WAIT_MAX_S
+        self.answer_by = 0.0
         self.round_warn_s = stall_check_seconds
         self.round_warn_at = 0.0
         self.round_posted_at = 0.0
@@ -660,6 +679,10 @@ class Engine:
         if self.round_items and self.round_warn_s > 0:
             left = max(0.0, self.round_warn_at - self.clock())
             due = left if due is None else min(due, left)
+        board = self.board
+        if board is not None and board.deferred:
+            left = max(0.0, self.answer_by - self.clock())
+            due = left if due is None else min(due, left)
         return due
 
     def _handle(self, batch: list[tuple]) -> bool:
@@ -694,8 +717,22 @@ class Engine:
             return False
         if submitted:
             self._send_requests(submitted)
-        if self.board is not None and (self.board.due() or self.round_items):
-            self._round_step()
+        board = self.board
+        if board is not None:
+            if board.due() or self.round_items or board.deferred:
+                self._round_step()
+            if self.round_tag & 1 and self.round_items:
+                # A plane round of this rank is open: lists wait until it is decided (rank
+                # 0 emits none meanwhile), so the round runs at the same place everywhere.
+                if self.coordinator is not None:
+                    self.coordinator.paused = True
+                self.held.extend(lists)
+                lists = []
+            elif self.held or (self.coordinator is not None and self.coordinator.paused):
+                lists = self.held + lists
+                self.held = []
+                if self.coordinator is not None:
+                    self.coordinator.paused = False
         if self.coordinator is not None:
             lst = self.coordinator.maybe_emit()
             if lst is not None:
@@ -710,6 +747,7 @@ class Engine:
     def _send_requests(self, entries: list[Entry], rounds: bool = True) -> None:
         if (
             rounds
+            and self.peer_rounds
             and self.board is not None
             and not self.board.open
             and len(self.table) <= len(entries)
@@ -754,31 +792,49 @@ class Engine:
 
     # ------------------------------------------------------------------ peer rounds
     def _post_round(self, entries: list[Entry]) -> bool:
-        """Post ``entries`` to the next peer round if all of them are small allreduces of
-        the global set that hit the cache (the ops alone in flight on this rank)."""
+        """Post ``entries`` to the next peer round if all of them are cached ops of the global
+        set (the ops alone in flight on this rank, nothing of it waits at rank 0). Small
+        allreduces post their data ("fold" round), anything else only the ids ("plane")."""
         ss = self.sets[0]
         cache = ss.cache
-        budget = self.round_budget
-        if budget <= 0 or not cache.enabled or self.closing or len(entries) > BOARD_IDS:
+        if not cache.enabled or self.closing or len(entries) > BOARD_IDS:
             return False
+        budget = self.round_budget  # allreduces (folded by every rank: a bit of compute)
+        room = BOARD_DATA  # everything posted, by the rank that posts the most
+        data = True
         cids: list[int] = []
-        parts: list[memoryview] = []
         items: list[tuple[Entry, Response]] = []
         for e in entries:
             req = e.request
-            if req.ps_id != 0 or req.op != ALLREDUCE or req.reduce_op not in ops.UFUNCS:
-                return False
-            budget -= e.array.nbytes
-            if budget < 0:
+            if req.ps_id != 0 or req.op not in CACHEABLE:
                 return False
             cid = cache.lookup(req.name, req.signature(), ss.set_rank)
             if cid is None:
                 return False
+            resp = cache.live[cid]
+            if data:
+                if req.op == ALLREDUCE:
+                    budget -= e.array.nbytes
+                    data = req.reduce_op in ops.UFUNCS and budget >= 0
+                else:
+                    data = req.op == ALLGATHER or req.op == BROADCAST
+                room -= max(_posted(resp, r) for r in range(self.size)) if data else 0
+                data = data and room >= 0
             cids.append(cid)
-            parts.append(memoryview(e.array.reshape(-1).view(np.uint8)))
-            items.append((e, cache.live[cid]))
-        self.transport.board_post(cids, parts)  # type: ignore[attr-defined]
-        self.round_items, self.round_cids = items, cids
+            items.append((e, resp))
+        if data:
+            me = self.rank
+            parts = [
+                memoryview(e.array.reshape(-1).view(np.uint8))
+                for e, resp in items
+                if resp.op != BROADCAST or resp.root == me
+            ]
+            tag = 0
+        else:
+            parts = []
+            tag = self.lists_done << 1 | 1
+        self.transport.board_post(cids, parts, tag)  # type: ignore[attr-defined]
+        self.round_items, self.round_cids, self.round_tag = items, cids, tag
         self.round_posted_at = self.clock()
         self.round_warn_at = self.round_posted_at + self.round_warn_s
         self.stats["rounds_posted"] += 1
@@ -786,31 +842,47 @@ class Engine:
 
     def _round_step(self) -> None:
         """Decide the peer rounds that can be decided: answer a peer that posted a round this
-        rank has not (with nothing: this rank's own ops went to rank 0 or are not small cache
-        hits), and run or hand over this rank's posted ops once every peer has posted."""
+        rank has not (with nothing: this rank's own ops went to rank 0 or are not cached ops
+        of the global set), and run or hand over this rank's posted ops once every peer has
+        posted."""
         board = self.board
         assert board is not None
-        while board.due():
+        while True:
             if not board.open:
-                if not self.table and (
-                    threading.get_ident() != self._thread.ident
-                    or self._lease_until > time.perf_counter()
-                ):
-                    # Nothing in flight, and a thread that just ran an op here is probably
-                    # about to submit the next (the same one as the peer's, in a loop): leave
-                    # the answer to it, or to the engine thread once its lease has run out.
+                if not board.opened():
                     break
-                self.transport.board_post((), ())  # type: ignore[attr-defined]
-                self.round_items, self.round_cids = [], []
+                if not self.table and not self.closing:
+                    # Nothing in flight here: this rank is most likely about to submit the
+                    # same ops (a loop of synchronous calls, or gradients of the same step).
+                    # Leave the answer to that submission, for up to ``answer_wait_s``.
+                    now = self.clock()
+                    if not board.deferred:
+                        board.deferred = True
+                        self.answer_by = now + self.answer_wait_s
+                    if now < self.answer_by:
+                        break
+                self.transport.board_post((), (), self.lists_done << 1)  # type: ignore[attr-defined]
+                self.round_items, self.round_cids, self.round_tag = [], [], 0
                 continue
+            if not board.due():
+                break
             posts = board.read()
             board.open = False
             items, self.round_items = self.round_items, []
             if not items:
                 continue
             cids, self.round_cids = self.round_cids, []
-            nbytes = sum(e.array.nbytes for e, _ in items)
-            if all(c == cids and d.nbytes == nbytes for _, c, d in posts):
+            tag = self.round_tag
+            if tag & 1:
+                # Same ops, posted at the same place in the list sequence: run them on the
+                # data plane, exactly as the response list from rank 0 would have.
+                if all(c == cids and t == tag for _, t, c, _ in posts):
+                    self._run_plane_round(items)
+                    continue
+            elif all(
+                c == cids and not t & 1 and d.nbytes == sum(_posted(resp, r) for _, resp in items)
+                for r, t, c, d in posts
+            ):
                 self._run_round(items, posts)
                 continue
             # Some peer posted something else (or nothing): every rank sees the same posts,
@@ -835,37 +907,111 @@ class Engine:
                     _ranks(board.waiting()),
                 )
 
-    def _run_round(self, items: list[tuple[Entry, Response]], posts: list[tuple]) -> None:
-        """Every rank posted these ops with its data: each reduces all parts in rank order,
-        with the data plane's numerics, so every rank computes the same bits."""
+    def _run_plane_round(self, items: list[tuple[Entry, Response]]) -> None:
+        """Every rank posted these cached ops at the same place: each runs them on the data
+        plane, fused the way the coordinator would (consecutive fusible ones up to the fusion
+        threshold), so every rank runs the same responses in the same order."""
         self.stats["rounds_run"] += 1
-        off = 0
-        for e, resp in items:
-            dtype = DTYPE_OF_CODE[resp.dtype]
-            mine = e.array.reshape(-1)
-            count = mine.size
-            parts = [mine] * self.size
-            for r, _, data in posts:
-                parts[r] = np.frombuffer(data, dtype, count, off)
-            off += mine.nbytes
+        threshold = self.fusion_threshold
+        group: list[Response] = []
+        acc = 0
+        for _, resp in items:
+            nb = resp.nbytes(DTYPE_OF_CODE[resp.dtype].itemsize)
             if (
-                self.size == 2
-                and self.timeline is None
-                and self.autotuner is None
-                and resp.prescale == 1.0
-                and resp.postscale == 1.0
-                and resp.reduce_op != AVERAGE
+                group
+                and threshold > 0
+                and resp.op in FUSIBLE
+                and _fusible(group[0], resp, self)
+                and acc + nb <= threshold
             ):
-                # The common latency case, without the general path's temporaries: the one
-                # fold straight into the output (the same bits as ``_fold``).
-                entries = self._claim(resp, running=False)
-                self.stats["eager_responses"] += 1
-                out = entries[0]
-                if out is not None:
-                    ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=out.output.reshape(-1))
-                    out.handle._complete(out.index, out.output)
+                group.append(resp)
+                acc += nb
                 continue
-            self._execute_eager(resp, _fold(parts, resp, self.size), "PEER_ALLREDUCE")
+            if group:
+                self._execute(_merge(group))
+            group, acc = [resp], nb
+        if group:
+            self._execute(_merge(group))
+
+    def _run_round(self, items: list[tuple[Entry, Response]], posts: list[tuple]) -> None:
+        """Every rank posted these ops with its data (a "data" round): each rank computes
+        every result from the posts alone. Allreduces reduce all parts in rank order with the
+        data plane's numerics, so every rank computes the same bits; allgathers concatenate
+        the parts; broadcasts take the root's."""
+        self.stats["rounds_run"] += 1
+        me, n = self.rank, self.size
+        data: list[Any] = [None] * n
+        for r, _, _, d in posts:
+            data[r] = d
+        offs = [0] * n
+        for e, resp in items:
+            op = resp.op
+            dtype = DTYPE_OF_CODE[resp.dtype]
+            if op == ALLREDUCE:
+                mine = e.array.reshape(-1)
+                count = mine.size
+                parts = [mine] * n
+                for r in range(n):
+                    if r != me:
+                        parts[r] = np.frombuffer(data[r], dtype, count, offs[r])
+                    offs[r] += mine.nbytes
+                if (
+                    n == 2
+                    and self.timeline is None
+                    and self.autotuner is None
+                    and resp.prescale == 1.0
+                    and resp.postscale == 1.0
+                    and resp.reduce_op != AVERAGE
+                ):
+                    # The common latency case, without the general path's temporaries: the
+                    # one fold straight into the output (the same bits as ``_fold``).
+                    entries = self._claim(resp, running=False)
+                    self.stats["eager_responses"] += 1
+                    out = entries[0]
+                    if out is not None:
+                        ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=out.output.reshape(-1))
+                        out.handle._complete(out.index, out.output)
+                    continue
+                self._execute_eager(resp, _fold(parts, resp, n), "PEER_ALLREDUCE")
+                continue
+            got = self._claim(resp, running=False)[0]
+            if got is None:  # failed meanwhile (the table closed): only skip its bytes
+                for r in range(n):
+                    offs[r] += _posted(resp, r)
+                continue
+            tl = self.timeline
+            if tl is not None:
+                rows = _rows(resp)
+                tl.ops_start(rows, OP_NAMES[op])
+                tl.activity(rows, "PEER_" + OP_NAMES[op])
+            if op == ALLGATHER:
+                assert resp.dim0s is not None
+                res = got.alloc((sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:]), dtype)
+                flat = res.reshape(-1).view(np.uint8)
+                at = 0
+                for r in range(n):
+                    nb = _posted(resp, r)
+                    flat[at : at + nb] = (
+                        got.array.reshape(-1).view(np.uint8)
+                        if r == me
+                        else np.frombuffer(data[r], np.uint8, nb, offs[r])
+                    )
+                    offs[r] += nb
+                    at += nb
+            else:  # BROADCAST
+                root = resp.root
+                res = got.output
+                nb = _posted(resp, root)
+                if root != me:
+                    src = np.frombuffer(data[root], np.uint8, nb, offs[root])
+                    res.reshape(-1).view(np.uint8)[:] = src
+                elif res is not got.array:
+                    np.copyto(res, got.array)
+                offs[root] += nb
+            if tl is not None:
+                tl.activity(rows, None)
+                tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
+            got.handle._complete(got.index, res)
 
     def _resend(self, wanted: list[tuple[int, int]]) -> None:
         want = set(wanted)
@@ -882,6 +1028,7 @@ class Engine:
         self, items: list[tuple], shutdown_why: str | None, params: tuple | None = None
     ) -> bool:
         self.stats["cycles"] += 1
+        self.lists_done += 1
         # Every cache id of the list is live before the list runs (the coordinator built it
         # from the same cache): look them all up first, so that a full response placed earlier
         # in the list cannot evict one that a later item names.
@@ -1139,6 +1286,19 @@ def _fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
     return acc
 
 
+def _posted(resp: Response, r: int) -> int:
+    """Bytes that rank ``r`` posts for cached op ``resp`` (one tensor) in a data round."""
+    shape = resp.shapes[0]
+    item = DTYPE_OF_CODE[resp.dtype].itemsize
+    if resp.op == ALLGATHER:
+        assert resp.dim0s is not None
+        return resp.dim0s[0][r] * math.prod(shape[1:]) * item
+    size = math.prod(shape) * item
+    if resp.op == BROADCAST:
+        return size if r == resp.root else 0
+    return size
+
+
 def _fusible(head: Response, r: Response, e: Engine) -> bool:
     """Whether ``r`` may share a fused buffer with ``head``."""
     return (
@@ -1235,6 +1395,7 @@ class _Coordinator:
         self.hit_requests: dict[tuple[int, int, int], tuple[Response, Request]] = {}
         self.arrivals: list[dict[int, float]] = []  # for self.waits, not yet recorded
         self.eager_left = 0  # bytes of eager results the list being built may still carry
+        self.paused = False  # rank 0 has a plane round open: no list is emitted meanwhile
 
     # ----------------------------------------------------------- inputs
     def on_message(self, peer: int, msg: tuple) -> None:
@@ -1377,7 +1538,7 @@ class _Coordinator:
     def timeout(self) -> float | None:
         now = self.e.clock()
         waits = []
-        if self.ready or self.shutdown_why is not None or self.resend:
+        if self.resend or (not self.paused and (self.ready or self.shutdown_why is not None)):
             waits.append(max(0.0, self._hold_until() - now))
         if self.next_stall != float("inf") and any(self.tables.values()):
             waits.append(max(0.0, self.next_stall - now))
@@ -1398,7 +1559,7 @@ class _Coordinator:
             self._finish_diagnosis(now)
         if self.wait_period > 0 and now - self.waits.start >= self.wait_period:
             self.report_waits(now)
-        if not self.ready and self.shutdown_why is None:
+        if self.paused or (not self.ready and self.shutdown_why is None):
             return None
         if now < self._hold_until():
             return None

@@ -62,7 +62,7 @@ RING = 256 * 1024  # control-message ring per pair and direction
 FRAME = 8  # little-endian length before each control message
 _DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
 _POLL_MS = 200
-BOARD_DATA = 64 * 1024  # data of one peer-round post (eager allreduces); at most
+BOARD_DATA = 1024 * 1024  # data of one peer-round post (eager allreduces); at most
 BOARD_IDS = PAGE // 8 - 8  # cache ids per post
 _STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
@@ -233,7 +233,7 @@ class _Board:
     round ahead: two slots (by parity) per rank suffice. ``latest`` is published after the
     slot's contents (like a channel's counter)."""
 
-    __slots__ = ("latest", "slots", "peers", "n", "open", "_mine", "_peer_slots")
+    __slots__ = ("latest", "slots", "peers", "n", "open", "deferred", "_mine", "_peer_slots")
 
     def __init__(self, mine: mmap.mmap, peers: dict[int, mmap.mmap], base: int) -> None:
         def views(mem: mmap.mmap) -> tuple[memoryview, list[tuple[memoryview, memoryview]]]:
@@ -249,6 +249,9 @@ class _Board:
         self.peers = [(r, *views(m)) for r, m in sorted(peers.items())]
         self.n = 0  # the last round this rank posted
         self.open = False  # ... and not everybody has posted it yet
+        # The engine has seen a peer's next round and leaves its answer for later (it has
+        # nothing in flight): ``due`` does not report that round until this rank posts.
+        self.deferred = False
 
     def due(self) -> bool:
         """Can this rank's open round be decided, or does a peer wait for this rank's post?"""
@@ -258,6 +261,10 @@ class _Board:
                 if latest[0] < n:
                     return False
             return True
+        return not self.deferred and self.opened()
+
+    def opened(self) -> bool:
+        """Has a peer posted a round this rank has not?"""
         n = self.n
         for _, latest, _ in self.peers:
             if latest[0] > n:
@@ -268,8 +275,9 @@ class _Board:
         """Peers that have not posted this rank's open round yet."""
         return [r for r, latest, _ in self.peers if latest[0] < self.n]
 
-    def post(self, cids: Sequence[int], parts: Sequence[memoryview]) -> None:
-        """Post round ``n + 1``: ``cids`` (empty: nothing to run) and their data, in order."""
+    def post(self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0) -> None:
+        """Post round ``n + 1``: ``cids`` (empty: nothing to run), their data in order, and a
+        ``tag`` the engine compares (what kind of round, and where in its list sequence)."""
         n = self.n + 1
         head, data = self._mine[n % 2]
         off = 0
@@ -280,15 +288,17 @@ class _Board:
         k = len(cids)
         head[1] = k
         head[2] = off
+        head[3] = tag
         head[8 : 8 + k] = memoryview(array("q", cids))
         head[0] = n
         _order()
         self.latest[0] = n
         self.n = n
         self.open = True
+        self.deferred = False
 
-    def read(self) -> list[tuple[int, list[int], memoryview]]:
-        """Every peer's post of round ``n`` (rank, cache ids, data); call once ``due()``."""
+    def read(self) -> list[tuple[int, int, list[int], memoryview]]:
+        """Every peer's post of round ``n`` (rank, tag, cache ids, data); call once ``due()``."""
         n = self.n
         _order()
         out = []
@@ -297,7 +307,7 @@ class _Board:
             if head[0] != n:
                 raise TransportError(f"rank {r}'s post of engine round {n} is missing")
             k = head[1]
-            out.append((r, head[8 : 8 + k].tolist(), data[: head[2]]))
+            out.append((r, head[3], head[8 : 8 + k].tolist(), data[: head[2]]))
         return out
 
     def release(self) -> None:
@@ -1033,13 +1043,13 @@ class ShmTransport(Transport):
             self._flush_backlog()
         return got
 
-    def board_post(self, cids: Sequence[int], parts: Sequence[memoryview]) -> None:
+    def board_post(self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0) -> None:
         """Post the engine's next peer round (``_Board.post``) and wake sleeping peers."""
         board = self.board
         assert board is not None
         if self._aborted is not None:
             raise TransportError(self._aborted)
-        board.post(cids, parts)
+        board.post(cids, parts, tag)
         for peer in self.peers:
             self._wake(peer, ctrl=True)
 
