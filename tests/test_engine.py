@@ -629,13 +629,13 @@ def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
             _stop_all(engines)
 
 
-def _submit_op(eng, op: int, name: str, x: np.ndarray, root: int = -1):
+def _submit_op(eng, op: int, name: str, x: np.ndarray, root: int = -1, ps_id: int = 0):
     from horovod.common.dtypes import code_of
     from horovod.core.engine import Entry, Handle
     from horovod.core.messages import SUM, Request
 
     h = Handle(1)
-    req = Request(0, name, op, code_of(x.dtype, "op"), x.shape, SUM, root)
+    req = Request(ps_id, name, op, code_of(x.dtype, "op"), x.shape, SUM, root)
     out = np.empty_like(x) if op != ALLGATHER else None
     eng.submit([Entry(req, x, out, h)])
     return h
@@ -678,3 +678,194 @@ def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():
         assert all(e.stats["rounds_run"] >= 10 for e in engines), [e.stats for e in engines]
     finally:
         _stop_all(engines)
+
+
+def test_an_idle_rank_answers_a_peer_round_with_its_own_post_or_after_the_answer_wait():
+    """A rank with nothing in flight does not answer a peer's round at once: it is most likely
+    about to submit the same op (ranks reach their gradients at different times), and when it
+    does within the answer wait the round runs. If it submits nothing, it answers after the
+    wait and the posted op goes to rank 0, whose stall checks then see it."""
+    engines = _shm_engines(2, stall_check_seconds=2.0)  # answer wait: 0.2 s
+    try:
+        assert engines[1].answer_wait_s == pytest.approx(0.2)
+        x = [np.full(50_000, r + 1.0, np.float32) for r in range(2)]  # a plane round
+        for _step in range(2):  # the first negotiates at rank 0, the second hits the cache
+            hs = [_submit_op(e, ALLREDUCE, "late", x[r]) for r, e in enumerate(engines)]
+            assert all((h.wait()[0] == 3.0).all() for h in hs)
+        run0 = [e.stats["rounds_run"] for e in engines]
+        h0 = _submit_op(engines[0], ALLREDUCE, "late", x[0])
+        time.sleep(0.08)  # rank 1 "computes": its engine sees the post and waits
+        assert not h0.done()
+        h1 = _submit_op(engines[1], ALLREDUCE, "late", x[1])
+        assert (h0.wait()[0] == 3.0).all() and (h1.wait()[0] == 3.0).all()
+        assert [e.stats["rounds_run"] for e in engines] == [k + 1 for k in run0]
+        # Nothing comes from rank 1: after the wait rank 1 answers, and rank 0's op waits at
+        # the coordinator (in its table of pending requests) instead of in the round.
+        posted = engines[0].stats["rounds_posted"]
+        h0 = _submit_op(engines[0], ALLREDUCE, "late", x[0])
+        deadline = time.monotonic() + 5
+        coord = engines[0].coordinator
+        while "late" not in coord.tables.get(0, {}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "late" in coord.tables.get(0, {}), coord.tables
+        assert engines[0].stats["rounds_posted"] == posted + 1
+        assert not h0.done()
+        h1 = _submit_op(engines[1], ALLREDUCE, "late", x[1])
+        assert (h0.wait()[0] == 3.0).all() and (h1.wait()[0] == 3.0).all()
+    finally:
+        _stop_all(engines)
+
+
+def test_plane_rounds_interleave_with_lists_of_a_process_set_without_the_poster():
+    """3 ranks: ranks 1 and 2 run ops of their own process set (through rank 0's lists) around
+    data-plane rounds of the global set, so a poster holds back lists that its peers are
+    executing. Nobody may wait on a rank that holds, and every result is exact."""
+    engines = _shm_engines(3, process_sets=[[1, 2]])
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            try:
+                for step in range(40):
+                    g = _submit_op(eng, ALLREDUCE, "g", np.full(30_000, r + step, np.float64))
+                    if r:
+                        p = _submit_op(
+                            eng, ALLREDUCE, f"p{step % 3}", np.full(9, r, np.int64), ps_id=1
+                        )
+                        assert (p.wait()[0] == 3).all()
+                    assert (g.wait()[0] == 3 + 3 * step).all(), (r, step)
+                    b = _submit_op(eng, BROADCAST, "b", np.full(300_000, r + step, np.int32), 2)
+                    if r == 0:
+                        time.sleep(0.001)
+                    assert (b.wait()[0] == 2 + step).all(), (r, step)
+                    if r:
+                        q = _submit_op(
+                            eng, ALLGATHER, "q", np.full((r, 2), step, np.int32), ps_id=1
+                        )
+                        assert q.wait()[0].shape == (3, 2)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        assert errors == []
+        assert all(e.stats["rounds_run"] >= 20 for e in engines), [e.stats for e in engines]
+    finally:
+        _stop_all(engines)
+
+
+def test_ops_submitted_after_a_plane_post_run_after_the_round_on_every_rank():
+    """Ranks 1 and 2 post a data-plane round of the global set and at once submit an op of
+    their own process set, which goes to rank 0 (the board is taken); rank 0 posts the round
+    at a random moment, so the set's list reaches ranks 1 and 2 before or after the round is
+    complete. Both must run the round before that list (a poster holds lists back), or they
+    would read each other's bytes for the wrong op."""
+    engines = _shm_engines(3, process_sets=[[1, 2]])
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            rng = np.random.default_rng(r)
+            try:
+                for step in range(80):
+                    if r == 0:
+                        time.sleep(rng.random() * 0.003)
+                    g = _submit_op(eng, ALLREDUCE, "g", np.full(40_000, r + step, np.float32))
+                    if r:
+                        y = np.full(60_000, 100 * r, np.float32)
+                        y = _submit_op(eng, ALLREDUCE, "y", y, ps_id=1)
+                        assert (y.wait()[0] == 300).all(), (r, step, "y")
+                    assert (g.wait()[0] == 3 + 3 * step).all(), (r, step, "g")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if any(t.is_alive() for t in threads):
+            for e in engines:
+                e._abort("test: a rank hung")
+            pytest.fail(f"a rank hung: {errors}")
+        assert errors == []
+        # Rank 0 runs the set's lists while ranks 1 and 2 hold them: their posts name
+        # different list counts, and such rounds fall back (the results above are exact).
+        assert all(e.stats["rounds_posted"] >= 10 for e in engines), [e.stats for e in engines]
+    finally:
+        _stop_all(engines)
+
+
+def test_a_plane_round_posted_after_a_list_the_peer_has_not_run_falls_back():
+    """Rank 0 roots a broadcast (a new name: negotiated) that rank 1 submits only after posting
+    a data-plane round:
+    rank 0 finishes the broadcast (its bytes wait in the channel) and posts the same round,
+    while rank 1 holds the broadcast's list back. The posts name the same op but different
+    list counts, so the round must fall back; running it would make rank 1 read the
+    broadcast's bytes as the round's."""
+    engines = _shm_engines(2)
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            try:
+                for step in range(30):
+                    g_in = np.full(40_000, r + step, np.float32)
+                    b_in = np.full(3000, step if r == 0 else -1, np.int64)
+                    if r == 0:
+                        b = _submit_op(eng, BROADCAST, f"b{step}", b_in, 0)
+                        assert (b.wait()[0] == step).all(), (r, step, "b")
+                        g = _submit_op(eng, ALLREDUCE, "g", g_in)
+                    else:
+                        g = _submit_op(eng, ALLREDUCE, "g", g_in)
+                        time.sleep(0.002)  # posted by now
+                        b = _submit_op(eng, BROADCAST, f"b{step}", b_in, 0)
+                        assert (b.wait()[0] == step).all(), (r, step, "b")
+                    assert (g.wait()[0] == 1 + 2 * step).all(), (r, step, "g")
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        if any(t.is_alive() for t in threads):
+            for e in engines:
+                e._abort("test: a rank hung")
+            pytest.fail(f"a rank hung: {errors}")
+        assert errors == []
+        posted = [e.stats["rounds_posted"] for e in engines]
+        assert posted[0] >= 20 and posted[1] >= 20, [e.stats for e in engines]
+    finally:
+        _stop_all(engines)
+
+
+def test_round_decisions_need_the_same_ops_kind_bytes_and_list_count():
+    from horovod.core.engine import _decide
+    from horovod.core.messages import Response
+
+    ag = Response(ALLGATHER, 0, ["allgather.x"], dtype=7, shapes=[(2, 5)], dim0s=[[2, 3]])
+    bc = Response(BROADCAST, 0, ["broadcast.b"], dtype=7, shapes=[(4,)], root=1)
+    items = [(None, ag), (None, bc)]
+    mem = memoryview(bytes(100))
+    # Data rounds: rank 1 posts its 3 rows of 5 float32s and, as root, the 4 broadcast ones.
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76])]) == "data"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 2 << 1, [4, 5], mem[:76])]) == "data"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:60])]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [5, 4], mem[:76])]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [], mem[:0])]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1 | 1, [4, 5], mem[:0])]) == "fallback"
+    # Plane rounds: same ids after the same number of response lists.
+    tag = 6 << 1 | 1
+    assert _decide(items, [4, 5], tag, [(1, tag, [4, 5], mem[:0])]) == "plane"
+    assert _decide(items, [4, 5], tag, [(1, 7 << 1 | 1, [4, 5], mem[:0])]) == "fallback"
+    assert _decide(items, [4, 5], tag, [(1, 6 << 1, [4, 5], mem[:76])]) == "fallback"
+    assert _decide(items, [4, 5], tag, [(1, tag, [4], mem[:0])]) == "fallback"

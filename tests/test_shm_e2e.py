@@ -353,3 +353,56 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
         else:
             assert rounds == [0] * np_, (mode, found)
     assert len(set(digests.values())) == 1, digests
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_):
+    """With peer rounds every cached op of the global set skips rank 0: small allgathers and
+    broadcasts carry their data in the round (each rank builds the result from the posts),
+    larger ones and alltoall/reducescatter run on the data plane after the round, mixed with
+    first calls that rank 0 negotiates. Every output must equal what rank 0's lists give."""
+    script = """
+        import hashlib, numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        digest = hashlib.sha256()
+        def note(a):
+            a = np.ascontiguousarray(a)
+            digest.update(str(a.shape).encode() + a.dtype.str.encode() + a.tobytes())
+        for step in range(4):  # steps 2 to 4 hit the response cache
+            v = step * 10 + r
+            note(hvd.allgather(np.full((r + 1, 3), v, np.int32), name="ag"))  # rows per rank
+            note(hvd.allgather(np.full((r + 1, 100_000), v, np.float32), name="ag_big"))
+            for root in range(n):
+                note(hvd.broadcast(np.full(5, v, np.float64), root, name=f"bc{root}"))
+            note(hvd.broadcast(np.arange(400_000, dtype=np.float32) + v, n - 1, name="bc_big"))
+            note(hvd.allreduce(np.full(300_000, v, np.float32), name="ar_big", op=hvd.Sum))
+            note(hvd.allreduce(np.arange(7, dtype=np.float64) * v, name="ar", op=hvd.Average))
+            out, got = hvd.alltoall(np.arange(2 * n, dtype=np.int64) + v, splits=[2] * n,
+                                    name="a2a")
+            note(out); note(got)
+            note(hvd.reducescatter(np.full((2 * n, 3), v, np.float32), op=hvd.Sum, name="rs"))
+            for a in hvd.grouped_allgather([np.full((2, 2), v, np.int16),
+                                            np.full((r + 1,), v, np.int16)], name="gag"):
+                note(a)
+            x = np.full(6, v, np.uint8)
+            hvd.broadcast_(x, 0, name="bc_inplace")
+            note(x)
+        print("digest", r, digest.hexdigest(), "rounds", current().engine.stats["rounds_run"],
+              flush=True)
+    """
+    digests = {}
+    for mode, env in [("rounds", {}), ("rank 0", {"HOROVOD_PEER_ROUNDS": "0"})]:
+        out = run_script(script, np_=np_, env=env, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        found = re.findall(r"digest (\d) (\w+) rounds (\d+)", out.stdout)
+        assert len(found) == np_, out.stdout
+        digests[mode] = sorted((int(rank), d) for rank, d, _ in found)
+        rounds = [int(k) for _, _, k in found]
+        if mode == "rounds":
+            # 3 cached steps of 9 + n ops, all of them in rounds (none went to rank 0).
+            assert all(k >= 3 * (9 + np_) for k in rounds), found
+        else:
+            assert rounds == [0] * np_, found
+    assert digests["rounds"] == digests["rank 0"]

@@ -256,6 +256,7 @@ class Engine:
         self.autotuner = autotuner  # only ever set on rank 0
         self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self.table: dict[tuple[int, str], Entry] = {}
+        self.unsent = 0  # entries in the table that the engine has not picked up yet
         self.running: list[Entry | None] = []  # entries of the response being executed
         self.lock = threading.Lock()
         self.closed: str | None = None  # set once: why no more work is accepted
@@ -364,6 +365,7 @@ class Engine:
                 self.table[k] = e
                 if self.fast:
                     e.handle.driver = self.run_until
+            self.unsent += len(entries)
         if wake:
             self._post(("sub", entries))
         else:  # the caller waits at once and runs the engine itself (Handle.wait)
@@ -693,6 +695,8 @@ class Engine:
             kind = ev[0]
             if kind == "sub":
                 submitted.extend(ev[1])
+                with self.lock:
+                    self.unsent -= len(ev[1])
             elif kind == "ctl":
                 peer, msg = ev[1], ev[2]
                 if self.coordinator is not None:
@@ -829,7 +833,7 @@ class Engine:
                 for e, resp in items
                 if resp.op != BROADCAST or resp.root == me
             ]
-            tag = 0
+            tag = self.lists_done << 1
         else:
             parts = []
             tag = self.lists_done << 1 | 1
@@ -850,6 +854,13 @@ class Engine:
         while True:
             if not board.open:
                 if not board.opened():
+                    break
+                if self.unsent > 0 and not self.closing:
+                    break  # a submission waits in the inbox: it posts or answers first
+                if max(board.tags()) >> 1 > self.lists_done:
+                    # A peer posted after more response lists than this rank has processed:
+                    # process those first (they were sent before that post, and the peer is
+                    # done with them), then answer, likely with the same ops.
                     break
                 if not self.table and not self.closing:
                     # Nothing in flight here: this rank is most likely about to submit the
@@ -872,17 +883,11 @@ class Engine:
             if not items:
                 continue
             cids, self.round_cids = self.round_cids, []
-            tag = self.round_tag
-            if tag & 1:
-                # Same ops, posted at the same place in the list sequence: run them on the
-                # data plane, exactly as the response list from rank 0 would have.
-                if all(c == cids and t == tag for _, t, c, _ in posts):
-                    self._run_plane_round(items)
-                    continue
-            elif all(
-                c == cids and not t & 1 and d.nbytes == sum(_posted(resp, r) for _, resp in items)
-                for r, t, c, d in posts
-            ):
+            how = _decide(items, cids, self.round_tag, posts)
+            if how == "plane":
+                self._run_plane_round(items)
+                continue
+            if how == "data":
                 self._run_round(items, posts)
                 continue
             # Some peer posted something else (or nothing): every rank sees the same posts,
@@ -1284,6 +1289,26 @@ def _fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
             reducer(acc, p, out=acc)
     ops.scale(acc, post)
     return acc
+
+
+def _decide(
+    items: list[tuple[Entry, Response]], cids: list[int], tag: int, posts: list[tuple]
+) -> str:
+    """How a peer round this rank posted ``items`` (ids ``cids``, ``tag``) to runs, given the
+    peers' ``posts`` (rank, tag, ids, data): "data" (from the posts alone), "plane" (on the
+    data plane) or "fallback" (through rank 0). Every rank sees the same posts and decides
+    the same."""
+    if tag & 1:
+        # Same ops, posted after the same number of response lists: run on the data plane,
+        # exactly as a list from rank 0 would. After different numbers, one rank may have run
+        # a list (a broadcast it is root of) whose bytes the other has yet to read.
+        ok = all(c == cids and t == tag for _, t, c, _ in posts)
+        return "plane" if ok else "fallback"
+    ok = all(
+        c == cids and not t & 1 and d.nbytes == sum(_posted(resp, r) for _, resp in items)
+        for r, t, c, d in posts
+    )
+    return "data" if ok else "fallback"
 
 
 def _posted(resp: Response, r: int) -> int:

@@ -271,6 +271,16 @@ class _Board:
                 return True
         return False
 
+    def tags(self) -> list[int]:
+        """The tags of the peers' posts of this rank's next round that are there already."""
+        n = self.n + 1
+        out = []
+        for _, latest, slots in self.peers:
+            if latest[0] >= n:
+                _order()
+                out.append(slots[n % 2][0][3])
+        return out
+
     def waiting(self) -> list[int]:
         """Peers that have not posted this rank's open round yet."""
         return [r for r, latest, _ in self.peers if latest[0] < self.n]
