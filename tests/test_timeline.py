@@ -386,8 +386,8 @@ def test_speedscope_export_names_every_end_and_filters(tmp_path):
 
 @pytest.mark.e2e
 def test_peer_round_allreduces_appear_in_the_timeline(tmp_path):
-    """Small cached allreduces that peer rounds decide (ranks sharing a host) show as
-    ALLREDUCE spans with a PEER_ALLREDUCE activity on rank 0's timeline."""
+    """Small cached ops that peer rounds decide (ranks sharing a host) show as op spans with a
+    PEER_ALLREDUCE / PEER_ALLGATHER / PEER_BROADCAST activity on rank 0's timeline."""
     from conftest import run_script
 
     path = str(tmp_path / "peer.json")
@@ -400,14 +400,22 @@ def test_peer_round_allreduces_appear_in_the_timeline(tmp_path):
         hvd.init()
         for step in range(20):
             hvd.allreduce(np.ones(3) * step, name="loss")
+            hvd.allgather(np.ones(2) * step, name="ag")
+            hvd.broadcast(np.ones(2) * step, 1, name="bc")
         print("rounds", current().engine.stats["rounds_run"], flush=True)
         """,
         env={"HOROVOD_TIMELINE": path},
     )
     assert out.returncode == 0, out.stdout + out.stderr
     events = read(path)
-    peer = [e for e in rows(events)["allreduce.loss"] if e.get("name") == "PEER_ALLREDUCE"]
+    for row, activity in [
+        ("allreduce.loss", "PEER_ALLREDUCE"),
+        ("allgather.ag", "PEER_ALLGATHER"),
+        ("broadcast.bc", "PEER_BROADCAST"),
+    ]:
+        peer = [e for e in rows(events)[row] if e.get("name") == activity]
+        assert len(peer) >= 1, (row, {str(e.get("name")) for e in rows(events)[row]})
     counts = [int(n) for n in re.findall(r"rounds (\d+)", out.stdout)]
-    assert len(counts) == 2 and min(counts) >= 1 and len(peer) >= 1, out.stdout
+    assert len(counts) == 2 and min(counts) >= 3, out.stdout
     for evs in rows(events).values():
         spans(evs)

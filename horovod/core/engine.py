@@ -988,7 +988,7 @@ class Engine:
             if tl is not None:
                 rows = _rows(resp)
                 tl.ops_start(rows, OP_NAMES[op])
-                tl.activity(rows, "PEER_" + OP_NAMES[op])
+                tl.activity(rows, "PEER_" + OP_NAMES[op].upper())
             if op == ALLGATHER:
                 assert resp.dim0s is not None
                 res = got.alloc((sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:]), dtype)
