@@ -547,6 +547,21 @@ def _submit(eng, name: str, x: np.ndarray):
     return h
 
 
+def _race(rank, n: int, engines, errors: list, timeout: float) -> None:
+    """Run ``rank(r)`` for every rank on its own thread; fail on a hang (aborting the engines,
+    so the threads end) or on anything a rank recorded in ``errors``."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        for e in engines:
+            e._abort("test: a rank hung")
+        pytest.fail(f"a rank hung: {errors}")
+    assert errors == []
+
+
 def _stop_all(engines) -> None:
     threads = [threading.Thread(target=e.stop, args=("test done", 10.0)) for e in engines]
     for t in threads:
@@ -611,13 +626,7 @@ def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
                 except Exception as exc:  # noqa: BLE001 - reported below
                     errors.append(repr(exc))
 
-            threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            assert not any(t.is_alive() for t in threads), "a rank hung"
-            assert errors == []
+            _race(rank, 3, engines, errors, 60)
             posted = [e.stats["rounds_posted"] for e in engines]
             run = [e.stats["rounds_run"] for e in engines]
             if off_on is None:
@@ -668,13 +677,7 @@ def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(repr(exc))
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        assert errors == []
+        _race(rank, 2, engines, errors, 60)
         assert all(e.stats["rounds_run"] >= 10 for e in engines), [e.stats for e in engines]
     finally:
         _stop_all(engines)
@@ -747,13 +750,7 @@ def test_plane_rounds_interleave_with_lists_of_a_process_set_without_the_poster(
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(repr(exc))
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not any(t.is_alive() for t in threads), "a rank hung"
-        assert errors == []
+        _race(rank, 3, engines, errors, 90)
         assert all(e.stats["rounds_run"] >= 20 for e in engines), [e.stats for e in engines]
     finally:
         _stop_all(engines)
@@ -785,16 +782,7 @@ def test_ops_submitted_after_a_plane_post_run_after_the_round_on_every_rank():
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(repr(exc))
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        if any(t.is_alive() for t in threads):
-            for e in engines:
-                e._abort("test: a rank hung")
-            pytest.fail(f"a rank hung: {errors}")
-        assert errors == []
+        _race(rank, 3, engines, errors, 60)
         # Rank 0 runs the set's lists while ranks 1 and 2 hold them: their posts name
         # different list counts, and such rounds fall back (the results above are exact).
         assert all(e.stats["rounds_posted"] >= 10 for e in engines), [e.stats for e in engines]
@@ -832,16 +820,7 @@ def test_a_plane_round_posted_after_a_list_the_peer_has_not_run_falls_back():
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(repr(exc))
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        if any(t.is_alive() for t in threads):
-            for e in engines:
-                e._abort("test: a rank hung")
-            pytest.fail(f"a rank hung: {errors}")
-        assert errors == []
+        _race(rank, 2, engines, errors, 60)
         posted = [e.stats["rounds_posted"] for e in engines]
         assert posted[0] >= 20 and posted[1] >= 20, [e.stats for e in engines]
     finally:
