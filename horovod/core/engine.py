@@ -315,8 +315,9 @@ class Engine:
         # (HOROVOD_PEER_ROUNDS and the eager budget need not agree between ranks).
         self.board = getattr(transport, "board", None)
         self.peer_rounds = peer_rounds
-        # Small allreduces post their data and are folded by every rank ("fold" rounds);
-        # other cached ops post only their ids and run on the data plane ("plane" rounds).
+        # Small allreduces, allgathers and broadcasts post their data and every rank computes
+        # the results from the posts ("data" rounds); other cached ops post only their ids
+        # and run on the data plane ("plane" rounds).
         self.round_budget = min(eager_bytes, BOARD_DATA)
         self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
         self.round_cids: list[int] = []
@@ -798,7 +799,7 @@ class Engine:
     def _post_round(self, entries: list[Entry]) -> bool:
         """Post ``entries`` to the next peer round if all of them are cached ops of the global
         set (the ops alone in flight on this rank, nothing of it waits at rank 0). Small
-        allreduces post their data ("fold" round), anything else only the ids ("plane")."""
+        ops post their data ("data" round), anything else only the ids ("plane")."""
         ss = self.sets[0]
         cache = ss.cache
         if not cache.enabled or self.closing or len(entries) > BOARD_IDS:
