@@ -220,7 +220,17 @@ def reference_step(opt_factory, size, steps=3, passes=1):
     return model
 
 
-def distributed_step(opt_factory, size, steps=3, passes=1, flush_count=None, **kw):
+# Gradient buckets on (the default: one flat tensor per bucket) and off (one allreduce per
+# gradient, submitted in batches).
+BUCKETS = {"flat": {}, "per-tensor": {"HOROVOD_GRADIENT_BUCKET_BYTES": "0"}}
+
+
+@pytest.fixture(params=sorted(BUCKETS))
+def buckets(request):
+    return BUCKETS[request.param]
+
+
+def distributed_step(opt_factory, size, steps=3, passes=1, flush_count=None, env=None, **kw):
     def body(rank):
         model = make_model(seed=rank)  # different init: the broadcast must fix it
         opt = opt_factory(model.parameters())
@@ -228,6 +238,8 @@ def distributed_step(opt_factory, size, steps=3, passes=1, flush_count=None, **k
         opt = hvd.DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes, **kw
         )
+        if flush_count is not None:
+            opt._flush_count = flush_count(rank)
         hvd.broadcast_optimizer_state(opt, root_rank=0)
         for step in range(steps):
             opt.zero_grad()
@@ -237,10 +249,11 @@ def distributed_step(opt_factory, size, steps=3, passes=1, flush_count=None, **k
             opt.step()
         return model
 
-    return run_ranks(body, size)
+    return run_ranks(body, size, env=env)
 
 
-def test_synchronize_submits_what_it_waits_for_without_waking_the_engine_thread():
+@pytest.mark.parametrize("mode", ["per-tensor", "buckets"])
+def test_synchronize_submits_what_it_waits_for_without_waking_the_engine_thread(mode):
     """The gradients still queued at step() are submitted by the thread that waits for them
     right after (it runs the engine itself): waking the engine thread too would have the two
     threads fight over the GIL. Gradients flushed during backward do wake it."""
@@ -248,10 +261,15 @@ def test_synchronize_submits_what_it_waits_for_without_waking_the_engine_thread(
 
     def body(rank):
         model = make_model(seed=0)
+        extra = torch.nn.Linear(2, 2)  # unused: its bucket goes out at step()
+        params = list(model.named_parameters()) + [
+            ("extra." + n, p) for n, p in extra.named_parameters()
+        ]
         opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+            torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params
         )
-        opt._flush_count = 3  # of the 4 gradients, 3 go out during backward, 1 at step()
+        if mode == "per-tensor":
+            opt._flush_count = 3  # of the 6 gradients, 3 go out during backward, 3 at step()
         engine = current().engine
         wakes: list[tuple[bool, bool]] = []  # (inside synchronize, wake)
         inside = [False]
@@ -278,7 +296,10 @@ def test_synchronize_submits_what_it_waits_for_without_waking_the_engine_thread(
             del engine.submit
         return wakes
 
-    for wakes in run_ranks(body, 2):
+    # Buckets of 40 bytes: the model's 4 gradients go out one by one during backward, the
+    # unused layer's at step().
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "0" if mode == "per-tensor" else "40"}
+    for wakes in run_ranks(body, 2, env=env):
         assert any(inside for inside, _ in wakes) and any(not inside for inside, _ in wakes)
         assert all(not wake for inside, wake in wakes if inside), wakes
         assert all(wake for inside, wake in wakes if not inside), wakes
@@ -291,9 +312,9 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-def test_distributed_optimizer_matches_single_process_reference(size, opt):
+def test_distributed_optimizer_matches_single_process_reference(size, opt, buckets):
     ref = reference_step(OPTIMIZERS[opt], size)
-    for model in distributed_step(OPTIMIZERS[opt], size):
+    for model in distributed_step(OPTIMIZERS[opt], size, env=buckets):
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -314,18 +335,18 @@ def test_replicas_are_bit_identical_after_training():
     ],
     ids=["groups", "fp16", "predivide"],
 )
-def test_optimizer_arguments_keep_results(kw):
+def test_optimizer_arguments_keep_results(kw, buckets):
     ref = reference_step(OPTIMIZERS["sgd"], 2)
     tol = {"rtol": 2e-3, "atol": 2e-3} if "compression" in kw else {"rtol": 1e-5, "atol": 1e-6}
-    for model in distributed_step(OPTIMIZERS["sgd"], 2, **kw):
+    for model in distributed_step(OPTIMIZERS["sgd"], 2, env=buckets, **kw):
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, **tol)
 
 
-def test_backward_passes_per_step_accumulates():
+def test_backward_passes_per_step_accumulates(buckets):
     ref = reference_step(OPTIMIZERS["sgd"], 2, passes=2)
     # the reference sums the loss gradients of 2 passes; so does the local accumulation
-    for model in distributed_step(OPTIMIZERS["sgd"], 2, passes=2):
+    for model in distributed_step(OPTIMIZERS["sgd"], 2, passes=2, env=buckets):
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -359,7 +380,84 @@ def test_op_sum_and_explicit_groups():
         torch.testing.assert_close(a + b, s)
 
 
-def test_unused_parameters_do_not_hang():
+def test_gradient_buckets_layout_names_and_results():
+    """Buckets: parameters in reverse order, one dtype each, up to HOROVOD_GRADIENT_BUCKET_BYTES
+    (a larger parameter alone, under its own name); the engine sees one allreduce per bucket,
+    and every gradient comes back as the sum over ranks. A compressor that is not
+    elementwise is applied per gradient (no buckets)."""
+    from horovod.core.context import current
+
+    class Counting(hvd.Compression.none):
+        shapes: list = []
+
+        @classmethod
+        def compress(cls, tensor):
+            cls.shapes.append(tuple(tensor.shape))
+            return tensor, None
+
+    def body(rank, compression=hvd.Compression.none):
+        a = torch.nn.Linear(6, 8)  # weight 192 bytes, bias 32
+        b = torch.nn.Linear(8, 3).double()  # weight 192 bytes, bias 24
+        c = torch.nn.Linear(3, 2).double()  # weight 48 bytes, bias 16
+        params = [
+            (f"{k}.{n}", p)
+            for k, m in (("a", a), ("b", b), ("c", c))
+            for n, p in m.named_parameters()
+        ]
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in params], lr=0.1),
+            named_parameters=params,
+            op=hvd.Sum,
+            compression=compression,
+        )
+        engine = current().engine
+        names: list[str] = []
+        real_submit = engine.submit
+
+        def submit(entries, wake=True):
+            names.extend(e.request.name for e in entries)
+            return real_submit(entries, wake=wake)
+
+        engine.submit = submit
+        try:
+            x = torch.full((2, 6), 1.0 + rank)
+            c(b(torch.tanh(a(x)).double())).sum().backward()
+            local = {n: p.grad.clone() for n, p in params}
+            opt.synchronize()
+            return names, local, {n: p.grad.clone() for n, p in params}, opt._buckets
+        finally:
+            del engine.submit
+
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "100"}
+    results = run_ranks(body, 2, env=env)
+    names, _, _, buckets = results[0]
+    assert sorted(names) == sorted(
+        [
+            "allreduce.bucket.0.3[c.bias..b.bias]",  # float64: 16 + 48 + 24 bytes
+            "allreduce.b.weight",  # 192 bytes: alone
+            "allreduce.a.bias",  # float32: a bucket of its own, a.weight too large to join
+            "allreduce.a.weight",
+        ]
+    ), names
+    assert [len(b) for b in buckets] == [3, 1, 1, 1]
+    for _, local, _, _ in results:
+        assert set(local) == {f"{k}.{n}" for k in "abc" for n in ("weight", "bias")}
+    for name in results[0][1]:
+        want = results[0][1][name] + results[1][1][name]
+        for _, _, reduced, _ in results:
+            torch.testing.assert_close(reduced[name], want)
+            assert reduced[name].dtype == want.dtype
+
+    # A compressor of its own: every gradient compressed alone, under its own name.
+    Counting.shapes = []
+    results = run_ranks(lambda r: body(r, Counting), 2)
+    assert sorted(results[0][0]) == sorted(
+        f"allreduce.{k}.{n}" for k in "abc" for n in ("weight", "bias")
+    )
+    assert sorted(set(Counting.shapes)) == [(2,), (2, 3), (3,), (3, 8), (8,), (8, 6)]
+
+
+def test_unused_parameters_do_not_hang(buckets):
     def body(rank):
         model = make_model()
         extra = torch.nn.Linear(6, 3)  # used on rank 1 only
@@ -375,7 +473,7 @@ def test_unused_parameters_do_not_hang():
         opt.step()
         return extra.weight.grad.abs().sum().item()
 
-    g0, g1 = run_ranks(body, 2, timeout=30)
+    g0, g1 = run_ranks(body, 2, timeout=30, env=buckets)
     assert g0 == pytest.approx(g1) and g0 > 0  # rank 0 contributed zeros, got the average
 
 
@@ -769,33 +867,47 @@ def test_gradient_batches_may_differ_between_ranks():
     """Gradients are submitted in batches during backward; rank 0 submits them one by one,
     rank 1 two at a time, rank 2 three at a time: names still match, results are exact."""
     ref = reference_step(OPTIMIZERS["sgd"], 3)
-    for model in distributed_step(OPTIMIZERS["sgd"], 3, flush_count=lambda r: r + 1):
+    for model in distributed_step(
+        OPTIMIZERS["sgd"], 3, flush_count=lambda r: r + 1, env=BUCKETS["per-tensor"]
+    ):
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["allgather", "as_dense"])
-def test_sparse_gradients(sparse_as_dense):
-    """nn.Embedding(sparse=True): both sparse paths give the averaged dense gradient."""
+def test_sparse_gradients(sparse_as_dense, buckets):
+    """nn.Embedding(sparse=True) next to dense layers (in one bucket): both sparse paths give
+    the averaged dense gradient, and the dense gradients are averaged too."""
 
     def body(rank):
         emb = torch.nn.Embedding(10, 3, sparse=True)
+        lin = torch.nn.Linear(3, 2)
+        head = torch.nn.Linear(2, 1)
         with torch.no_grad():
             emb.weight.copy_(torch.arange(30.0).reshape(10, 3))
+            for p in (*lin.parameters(), *head.parameters()):
+                p.fill_(0.5)
+        params = [("emb.weight", emb.weight)] + [
+            (f"{k}.{n}", p)
+            for k, m in (("lin", lin), ("head", head))
+            for n, p in m.named_parameters()
+        ]
         opt = hvd.DistributedOptimizer(
-            torch.optim.SGD(emb.parameters(), lr=1.0),
-            named_parameters=emb.named_parameters(),
+            torch.optim.SGD([p for _, p in params], lr=1.0),
+            named_parameters=params,
             sparse_as_dense=sparse_as_dense,
         )
         idx = torch.tensor([rank, rank + 1, 7])
-        emb(idx).sum().backward()
+        x = torch.full((3, 3), 1.0 + rank)
+        (emb(idx).sum() + head(lin(x)).sum()).backward()
         opt.synchronize()
-        grad = opt.param_groups[0]["params"][0].grad
+        grad = emb.weight.grad
+        dense = [p.grad.clone() for _, p in params[1:]]
         with opt.skip_synchronize():
             opt.step()
-        return grad.to_dense(), emb.weight.detach().clone()
+        return grad.to_dense(), emb.weight.detach().clone(), dense
 
-    (g0, w0), (g1, w1) = run_ranks(body, 2)
+    (g0, w0, d0), (g1, w1, d1) = run_ranks(body, 2, env=buckets)
     want = torch.zeros(10, 3)
     for rank in range(2):
         for i in (rank, rank + 1, 7):
@@ -803,6 +915,12 @@ def test_sparse_gradients(sparse_as_dense):
     torch.testing.assert_close(g0, want)
     torch.testing.assert_close(g1, want)
     assert torch.equal(w0, w1)
+    # head(lin(x)) summed over 3 rows: d/d lin.weight = 3 * 0.5 * (1 + rank) per entry, etc.
+    mean_x = 1.5  # average of the ranks' inputs (1 and 2)
+    torch.testing.assert_close(d0[0], torch.full((2, 3), 3 * 0.5 * mean_x))  # lin.weight
+    torch.testing.assert_close(d0[1], torch.full((2,), 3 * 0.5))  # lin.bias
+    for a, b in zip(d0, d1, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_sparse_allreduce_async_sum():

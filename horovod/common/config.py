@@ -233,16 +233,26 @@ class Config:
         "Allreduces of at most this many bytes per rank that hit the response cache travel "
         "with their request to the coordinator, which reduces them and sends the result with "
         "its response list: one message round instead of two (0 turns it off). When every "
-        "rank shares one host, a lone one of at most min(this, 64 KiB) goes to a peer round "
-        "instead (see HOROVOD_PEER_ROUNDS).",
+        "rank shares one host, such allreduces go to a peer round instead, with their data "
+        "(see HOROVOD_PEER_ROUNDS).",
         minimum=0,
     )
     peer_rounds: bool = _knob(
         "HOROVOD_PEER_ROUNDS",
         True,
-        "When every rank shares one host (shared memory), a lone small cache-hit allreduce "
-        "is posted to every peer and run by every rank itself once all of them posted the "
-        "same, without a round through rank 0 (0 turns it off).",
+        "When every rank shares one host (shared memory), ops that hit the response cache "
+        "(alone in flight on their rank) are posted to every peer and run by every rank "
+        "itself once all of them posted the same, without a round through rank 0: small ones "
+        "with their data on the board, the rest on the data plane (0 turns it off).",
+    )
+    gradient_bucket_bytes: int = _knob(
+        "HOROVOD_GRADIENT_BUCKET_BYTES",
+        8 * 1024 * 1024,
+        "horovod.torch DistributedOptimizer: gradients are reduced in fixed buckets of up to "
+        "this many bytes (parameters in reverse order, one dtype per bucket), each flattened "
+        "into one tensor and reduced as one allreduce once all of its gradients are ready; "
+        "0: one allreduce per gradient (submitted in batches), as upstream Horovod does.",
+        minimum=0,
     )
     ring_threshold_bytes: int = _knob(
         "HOROVOD_RING_THRESHOLD_BYTES",

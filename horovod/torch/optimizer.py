@@ -11,15 +11,17 @@ appeared in a step (unused branches) are reduced as zeros, so no rank waits for 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from horovod import frontend as F
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.torch.compression import Compression
+from horovod.torch.compression import Compression, NoneCompressor, _CastCompressor
 from horovod.torch.mpi_ops import (
     Adasum,
     Average,
@@ -30,7 +32,8 @@ from horovod.torch.mpi_ops import (
     synchronize,
 )
 
-# Ready gradients are queued and submitted together (each keeps its own name): at 8 MiB or 256
+# Without buckets (HOROVOD_GRADIENT_BUCKET_BYTES=0, or a compressor that is not elementwise),
+# ready gradients are queued and submitted together (each keeps its own name): at 8 MiB or 256
 # tensors, whichever comes first, and at step(). Measured on 2 CPU ranks (docs/benchmarks.md):
 # per-tensor submission reached half of DDP's throughput on a 200-tensor MLP; these batches
 # reach DDP's, while large models still overlap communication with backward batch by batch.
@@ -44,6 +47,20 @@ _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
     "Increase backward_passes_per_step to accumulate gradients locally."
 )
+
+
+def _elementwise(compression: Any) -> bool:
+    """Compressors that act element by element (none, fp16, bf16) give the same result on a
+    flat bucket as on each gradient; any other one is applied per gradient (no buckets)."""
+    cls = compression if isinstance(compression, type) else type(compression)
+    methods = (
+        inspect.getattr_static(cls, "compress", None),
+        inspect.getattr_static(cls, "decompress", None),
+    )
+    return any(
+        methods == (vars(c)["compress"], vars(c)["decompress"])
+        for c in (NoneCompressor, _CastCompressor)
+    )
 
 
 def split_list(items: list, n: int) -> list[list]:
@@ -113,6 +130,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._pending: list[torch.Tensor] = []
         self._pending_bytes = 0
         self._flush_bytes, self._flush_count = FLUSH_BYTES, FLUSH_COUNT
+        # Buckets (see _make_buckets): members (ids), names, gradients still to come this
+        # step, and what is in flight (handle, gradients, the flat tensor sent, compress ctx).
+        self._buckets: list[list[int]] = []
+        self._bucket_of: dict[int, int] = {}
+        self._bucket_names: list[str] = []
+        self._bucket_left: list[int] = []
+        self._bucket_flight: list[Any] = []
+        self._bucket_flat: list[Any] = []  # (members key, flat tensor, views), kept
+        self._buckets_due = 0
         # groups: id(p) -> group index; members in model order
         self._group_of: dict[int, int] = {}
         self._groups: list[list[int]] = []
@@ -138,9 +164,46 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._group_of[pid] = gi
         from horovod.core.context import require
 
-        elastic = require().config.elastic  # hooks even at size 1: the job may grow
+        config = require().config
+        elastic = config.elastic  # hooks even at size 1: the job may grow
         if process_set.included() and (F.size() > 1 or elastic):
+            if config.gradient_bucket_bytes > 0 and _elementwise(compression):
+                self._make_buckets(
+                    [p for p in trainable if id(p) not in self._group_of],
+                    config.gradient_bucket_bytes,
+                )
             self._register_hooks()
+
+    def _make_buckets(self, params: list[torch.Tensor], limit: int) -> None:
+        """Fixed buckets of gradients, the same on every rank: parameters in reverse order
+        (about the order in which backward produces their gradients), one dtype and device per
+        bucket, up to ``limit`` bytes each (a larger parameter alone). A bucket's gradients go
+        out as one flat tensor once all of them are ready, so the engine handles one tensor
+        where it would handle dozens or hundreds (each costs Python work per step), and each
+        gradient is copied once into the flat tensor and once back, by torch in C++."""
+        open_: dict[tuple, int] = {}  # (dtype, device) -> index of the bucket being filled
+        size: dict[int, int] = {}
+        for p in reversed(params):
+            key = (p.dtype, p.device)
+            nbytes = p.numel() * p.element_size()
+            bi = open_.get(key)
+            if bi is None or size[bi] + nbytes > limit:
+                bi = open_[key] = len(self._buckets)
+                self._buckets.append([])
+                size[bi] = 0
+            self._buckets[bi].append(id(p))
+            size[bi] += nbytes
+        for bi, ids in enumerate(self._buckets):
+            first, last = self._names[ids[0]], self._names[ids[-1]]
+            self._bucket_names.append(
+                first if len(ids) == 1 else f"bucket.{bi}.{len(ids)}[{first}..{last}]"
+            )
+            for pid in ids:
+                self._bucket_of[pid] = bi
+        self._bucket_left = [len(ids) for ids in self._buckets]
+        self._bucket_flight = [None] * len(self._buckets)
+        self._bucket_flat = [None] * len(self._buckets)
+        self._buckets_due = len(self._buckets)
 
     # ----------------------------------------------------------------- hooks
     def _register_hooks(self) -> None:
@@ -152,10 +215,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _make_hook(self) -> Any:
         def hook(p: torch.Tensor) -> None:
             pid = id(p)
-            if self._delay[pid] <= 0:  # already reduced (or queued) since the last step()
+            delay = self._delay[pid]
+            if delay <= 0:  # already reduced (or queued) since the last step()
                 raise AssertionError(_TOO_MANY_PASSES)
-            self._delay[pid] -= 1
-            if self._delay[pid] > 0:  # still accumulating locally
+            self._delay[pid] = delay - 1
+            bi = self._bucket_of.get(pid)
+            if bi is not None:
+                if delay == 1:  # its last pass: one more gradient of the bucket is ready
+                    left = self._bucket_left[bi] = self._bucket_left[bi] - 1
+                    if left == 0:
+                        self._buckets_due -= 1
+                        if self._buckets_due == 0:
+                            # The step's last bucket: backward is over and this thread is
+                            # about to wait for it in step() (running the engine itself).
+                            # Waking the engine thread would only have the two fight over
+                            # the GIL.
+                            with F.waited():
+                                self._submit_bucket(bi)
+                        else:
+                            self._submit_bucket(bi)
+                return
+            if delay > 1:  # still accumulating locally
                 self._handles[pid] = (None, None)
                 return
             gi = self._group_of.get(pid)
@@ -232,6 +312,66 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         return handle, (ctx, compressed)
 
+    def _submit_bucket(self, bi: int) -> None:
+        """Submit bucket ``bi``: its dense gradients flattened into one tensor under the
+        bucket's name (a gradient alone, or gradients of another dtype than the bucket's,
+        under their own names); sparse ones each on their own (or densified first, with
+        ``sparse_as_dense``). What a bucket holds depends on the model only, so every rank
+        submits the same."""
+        members = [self._params[pid] for pid in self._buckets[bi]]
+        grads = [p.grad for p in members]
+        dense = members
+        if any(g is None or g.is_sparse for g in grads):
+            dense = []
+            for p in members:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif p.grad.is_sparse:
+                    if not self._sparse_as_dense:
+                        self._handles[id(p)] = self._allreduce_grad_async(p)
+                        continue
+                    p.grad = p.grad.to_dense()
+                dense.append(p)
+            grads = [p.grad for p in dense]
+        if len(grads) < 2:
+            for p in dense:
+                self._handles[id(p)] = self._allreduce_grad_async(p)
+            self._bucket_flight[bi] = ()
+            return
+        # (torch keeps every gradient in its parameter's shape, dtype and device)
+        key = None if dense is members else tuple(map(id, dense))
+        kept = self._bucket_flat[bi]
+        if kept is None or kept[0] != key:
+            # The bucket's flat tensor, kept from step to step (a fresh one would cost the
+            # page faults of new memory every step), and a view of it per gradient.
+            flat = torch.empty(
+                sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device
+            )
+            kept = self._bucket_flat[bi] = (key, flat, _unflatten_dense_tensors(flat, grads))
+        _, flat, views = kept
+        torch._foreach_copy_(views, grads)
+        compressed, ctx = self._compression.compress(flat)
+        pre, post = self._scales()
+        handle = allreduce_async_(
+            compressed,
+            name=self._bucket_names[bi],
+            op=self._op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self._process_set,
+        )
+        self._bucket_flight[bi] = (handle, grads, compressed, ctx)
+
+    def _finish_bucket(self, bi: int) -> None:
+        """Wait for bucket ``bi`` and copy the averages back into its gradients."""
+        handle, grads, compressed, ctx = self._bucket_flight[bi]
+        synchronize(handle)
+        _, flat, views = self._bucket_flat[bi]
+        out = self._compression.decompress(compressed, ctx)
+        if out is not flat:
+            flat.copy_(out)
+        torch._foreach_copy_(grads, views)
+
     def _submit_group(self, gi: int) -> None:
         members = [self._params[pid] for pid in self._groups[gi]]
         grads = []
@@ -266,17 +406,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._process_set.included():
             self._synchronized = True
             return
-        # Gradients that never arrived (unused parameters) and partially accumulated ones.
-        for pid in sorted(self._requires_update, key=self._index.__getitem__):
-            if pid in self._group_of:
-                continue
-            entry = self._handles.get(pid)
-            if entry is None or (entry[0] is None and entry[1] != "queued"):
-                self._queue(self._params[pid])
-        # This thread waits for these right below and runs the engine itself meanwhile:
-        # waking the engine thread would only have the two fight over the GIL.
+        # This thread waits for what it submits here right below and runs the engine itself
+        # meanwhile: waking the engine thread would only have the two fight over the GIL.
         with F.waited():
+            # Gradients that never arrived (unused parameters) and partially accumulated ones.
+            for pid in sorted(self._requires_update, key=self._index.__getitem__):
+                if pid in self._group_of or pid in self._bucket_of:
+                    continue
+                entry = self._handles.get(pid)
+                if entry is None or (entry[0] is None and entry[1] != "queued"):
+                    self._queue(self._params[pid])
             self._flush()
+            for bi, flight in enumerate(self._bucket_flight):
+                if flight is None:  # gradients missing (unused, or still accumulating)
+                    self._submit_bucket(bi)
             for gi in range(len(self._groups)):
                 if any(
                     self._handles.get(pid, (None,))[0] is None
@@ -299,7 +442,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._write_grad(p, ctx)
             self._delay[pid] = self.backward_passes_per_step
         self._handles.clear()
+        if self._buckets:
+            for bi, flight in enumerate(self._bucket_flight):
+                if flight:  # flat (() when its gradients went under their own names)
+                    self._finish_bucket(bi)
+            passes = self.backward_passes_per_step
+            for pid in self._bucket_of:
+                self._delay[pid] = passes
+            self._reset_buckets()
         self._synchronized = True
+
+    def _reset_buckets(self) -> None:
+        self._buckets_due = len(self._buckets)
+        for bi, ids in enumerate(self._buckets):
+            self._bucket_left[bi] = len(ids)
+            self._bucket_flight[bi] = None
 
     def _write_grad(self, p: torch.Tensor, ctx: Any) -> None:
         cctx, compressed = ctx
@@ -331,7 +488,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._pending or any(h is not None for h, _ in self._handles.values()):
+        if (
+            self._pending
+            or any(h is not None for h, _ in self._handles.values())
+            or self._buckets_due < len(self._buckets)
+            or any(left < len(b) for left, b in zip(self._bucket_left, self._buckets, strict=True))
+        ):
             raise AssertionError(_ZERO_GRAD_RACE)
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
 
@@ -339,6 +501,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
         self._handles.clear()
         self._group_ready.clear()
+        self._reset_buckets()
         self._pending, self._pending_bytes = [], 0
         self._synchronized = False
         for pid in self._delay:
