@@ -131,7 +131,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._pending_bytes = 0
         self._flush_bytes, self._flush_count = FLUSH_BYTES, FLUSH_COUNT
         # Buckets (see _make_buckets): members (ids), names, gradients still to come this
-        # step, and what is in flight (handle, gradients, the flat tensor sent, compress ctx).
+        # step, what is in flight (handle, gradients, the tensor sent, compression ctx; () when
+        # the bucket's gradients went under their own names) and buckets not submitted yet.
         self._buckets: list[list[int]] = []
         self._bucket_of: dict[int, int] = {}
         self._bucket_names: list[str] = []
@@ -313,11 +314,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return handle, (ctx, compressed)
 
     def _submit_bucket(self, bi: int) -> None:
-        """Submit bucket ``bi``: its dense gradients flattened into one tensor under the
-        bucket's name (a gradient alone, or gradients of another dtype than the bucket's,
-        under their own names); sparse ones each on their own (or densified first, with
-        ``sparse_as_dense``). What a bucket holds depends on the model only, so every rank
-        submits the same."""
+        """Submit bucket ``bi``: its dense gradients copied into the bucket's flat tensor and
+        reduced under the bucket's name (a gradient alone goes under its own name); sparse
+        ones each on their own (or densified first, with ``sparse_as_dense``). Missing
+        gradients (unused parameters) count as zeros. What a bucket holds depends on the model
+        only, so every rank submits the same."""
         members = [self._params[pid] for pid in self._buckets[bi]]
         grads = [p.grad for p in members]
         dense = members
