@@ -1,5 +1,6 @@
 """horovod.torch: collectives, autograd, broadcast of state, DistributedOptimizer."""
 
+import copy
 import warnings
 
 import pytest
@@ -399,6 +400,7 @@ def test_gradient_buckets_layout_names_and_results():
         a = torch.nn.Linear(6, 8)  # weight 192 bytes, bias 32
         b = torch.nn.Linear(8, 3).double()  # weight 192 bytes, bias 24
         c = torch.nn.Linear(3, 2).double()  # weight 48 bytes, bias 16
+        twins = copy.deepcopy((a, b, c))
         params = [
             (f"{k}.{n}", p)
             for k, m in (("a", a), ("b", b), ("c", c))
@@ -421,8 +423,16 @@ def test_gradient_buckets_layout_names_and_results():
         engine.submit = submit
         try:
             x = torch.full((2, 6), 1.0 + rank)
+            # This rank's own gradients, from twins without hooks (the wrapped parameters'
+            # gradients are being reduced in place from backward on).
+            ta, tb, tc = twins
+            tc(tb(torch.tanh(ta(x)).double())).sum().backward()
+            local = {
+                f"{k}.{n}": p.grad.clone()
+                for k, m in (("a", ta), ("b", tb), ("c", tc))
+                for n, p in m.named_parameters()
+            }
             c(b(torch.tanh(a(x)).double())).sum().backward()
-            local = {n: p.grad.clone() for n, p in params}
             opt.synchronize()
             return names, local, {n: p.grad.clone() for n, p in params}, opt._buckets
         finally:
