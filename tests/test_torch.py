@@ -835,6 +835,15 @@ def test_amp_grad_scaler_flow():
     assert any(not torch.equal(a, b) for a, b in zip(p0, make_model().parameters(), strict=True))
 
 
+def test_training_benchmark_reports_a_failed_reference_process():
+    """The two-plain-processes reference raises with the worker's error (and leaves no
+    process or file behind) instead of printing a figure."""
+    from horovod.benchmarks import training
+
+    with pytest.raises(RuntimeError, match="a plain process exited with 1:(.|\n)*no_such_model"):
+        training._run_independent(2, "no_such_model", 1, 1, 1)
+
+
 @pytest.mark.e2e
 def test_training_benchmark_and_synthetic_example_run():
     from conftest import horovodrun_example, run_module
@@ -855,6 +864,7 @@ def test_training_benchmark_and_synthetic_example_run():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| convnet |" in r.stdout and "x |" in r.stdout
+    assert "2 plain procs at once (no comm.)" in r.stdout
     r = horovodrun_example(
         2,
         "pytorch_synthetic_benchmark.py",

@@ -9,6 +9,12 @@ synthetic batch. Printed per model: samples/s (all ranks together) of a plain si
 of horovod.torch and of DDP at 1 and 2 ranks, the scaling efficiency of each (throughput at 2
 ranks / (2 x its throughput at 1 rank), and against the plain single process), and the
 horovod/DDP ratio at 2 ranks (> 1 means horovod.torch trains faster).
+
+The reference: two plain processes training at the same time without any communication. What
+they reach together against twice one alone ("ceiling eff.") is what sharing the cores, caches
+and memory bandwidth costs by itself, the most any data-parallel job can reach on the machine.
+``--repeats R`` makes R passes over all configurations in turn and keeps each one's best, so
+that a slow phase of a shared machine lands on every configuration alike.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +99,8 @@ def run(
     batch: int,
     extra_env: dict[str, str] | None = None,
 ) -> float:
+    if kind == "plain" and np_ > 1:
+        return _run_independent(np_, model, steps, warmup, batch)
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     args = launch.worker_args("horovod.benchmarks.training", kind, model, steps, warmup, batch, out)
     launcher = {"plain": "none", "horovod": "horovodrun", "ddp": "torchrun"}[kind]
@@ -100,6 +109,42 @@ def run(
         value = json.load(f)["samples_per_s"]
     os.unlink(out)
     return value
+
+
+def _run_independent(np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
+    """``np_`` plain processes at once, with no communication at all: their samples/s
+    together. What sharing the machine's cores, caches and memory bandwidth alone costs: the
+    ceiling of any data-parallel job's scaling efficiency here."""
+    outs = [tempfile.NamedTemporaryFile(suffix=".json", delete=False).name for _ in range(np_)]
+    procs = []
+    try:
+        for out in outs:
+            args = launch.worker_args(
+                "horovod.benchmarks.training", "plain", model, steps, warmup, batch, out
+            )
+            cmd, env = launch.command("none", 1, args)
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            )
+        errs = [p.communicate()[1] for p in procs]
+        for p, err in zip(procs, errs, strict=True):
+            if p.returncode != 0:
+                tail = err.decode(errors="replace")[-3000:]
+                raise RuntimeError(f"a plain process exited with {p.returncode}:\n{tail}")
+        total = 0.0
+        for out in outs:
+            with open(out) as f:
+                total += json.load(f)["samples_per_s"]
+        return total
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            if p.stderr is not None:
+                p.stderr.close()
+        for out in outs:
+            os.unlink(out)
 
 
 def timeline_overhead(models: list[str], steps: int, warmup: int, batch: int, repeats: int) -> None:
@@ -126,7 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
-    ap.add_argument("--repeats", type=int, default=2, help="runs per configuration (best kept)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="passes over all configurations, interleaved (each one's best pass is kept)",
+    )
     ap.add_argument(
         "--timeline-overhead", action="store_true", help="measure timeline on vs off instead"
     )
@@ -138,30 +188,40 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
-        f"{a.steps} timed steps, best of {a.repeats}; samples/s of all ranks together\n"
+        f"{a.steps} timed steps, best of {a.repeats} interleaved passes; samples/s of all ranks together\n"
     )
     if a.timeline_overhead:
         timeline_overhead(a.models.split(","), a.steps, a.warmup, a.batch_size, a.repeats)
         return 0
     print(
-        "| model | plain 1 proc | horovod 1 | horovod 2 | DDP 1 | DDP 2 | horovod eff. "
+        "| model | plain 1 proc | 2 plain procs at once (no comm.) | horovod 1 | horovod 2 | "
+        "DDP 1 | DDP 2 | ceiling eff. (2 plain procs vs plain) | horovod eff. "
         "(vs 1 rank / vs plain) | DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models.split(","):
-        r = {}
-        for kind, np_ in (("plain", 1), ("horovod", 1), ("horovod", 2), ("ddp", 1), ("ddp", 2)):
-            r[(kind, np_)] = max(
-                run(kind, np_, model, a.steps, a.warmup, a.batch_size) for _ in range(a.repeats)
-            )
+        configs = (
+            ("plain", 1),
+            ("plain", 2),
+            ("horovod", 1),
+            ("horovod", 2),
+            ("ddp", 1),
+            ("ddp", 2),
+        )
+        r = dict.fromkeys(configs, 0.0)
+        for _ in range(a.repeats):  # passes over every configuration: a slow phase hits all
+            for kind, np_ in configs:
+                got = run(kind, np_, model, a.steps, a.warmup, a.batch_size)
+                r[(kind, np_)] = max(r[(kind, np_)], got)
         plain = r[("plain", 1)]
 
         def eff(kind: str) -> str:
             return f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / {r[(kind, 2)] / (2 * plain):.0%}"
 
         print(
-            f"| {model} | {plain:.0f} | {r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | "
-            f"{r[('ddp', 1)]:.0f} | {r[('ddp', 2)]:.0f} | {eff('horovod')} | {eff('ddp')} | "
+            f"| {model} | {plain:.0f} | {r[('plain', 2)]:.0f} | {r[('horovod', 1)]:.0f} | "
+            f"{r[('horovod', 2)]:.0f} | {r[('ddp', 1)]:.0f} | {r[('ddp', 2)]:.0f} | "
+            f"{r[('plain', 2)] / (2 * plain):.0%} | {eff('horovod')} | {eff('ddp')} | "
             f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |",
             flush=True,
         )
