@@ -101,6 +101,24 @@ def test_every_rank_gets_the_same_bits_for_float_sums(hierarchical):
     np.testing.assert_allclose(np.frombuffer(out[0], np.float32), sum(data), rtol=1e-4, atol=1e-2)
 
 
+@pytest.mark.parametrize("elems", [1000, 100_003])
+def test_scaled_result_is_the_leaders_scaled_sum(hierarchical, elems):
+    """``post`` (Average's division) is applied once, among the leaders, and reaches every
+    rank through the host's broadcast."""
+    hosts = ["a", "a", "a", "b", "b"]
+    ts = _loopback(hosts)
+
+    def fn(r, t):
+        x = (np.arange(elems) % 11 + 3 * r).astype(np.float32)
+        alg.allreduce(t, x, np.add, Scratch(), 0.25)
+        return x.tobytes()
+
+    out = _run(ts, fn)
+    want = sum((np.arange(elems) % 11 + 3 * k).astype(np.float32) for k in range(len(hosts)))
+    assert len(set(out)) == 1
+    assert np.array_equal(np.frombuffer(out[0], np.float32), want * np.float32(0.25))
+
+
 def test_flat_when_two_levels_cannot_help(hierarchical, monkeypatch):
     """One host, or one rank per host: the flat algorithm runs (a leader step would only add
     latency)."""

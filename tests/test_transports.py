@@ -241,6 +241,51 @@ def test_every_rank_gets_bitwise_identical_sums(kind, n, elems):
         _close(ts)
 
 
+SCALED = [(np.float32, 0.5), (np.float64, 1 / 3), (np.float16, 0.25), (np.int32, 1 / 3)]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("elems", [1000, 120_001])
+def test_scaled_reductions_equal_scaling_afterwards(kind, n, elems):
+    """allreduce and reduce_scatter with ``post`` (Average's division, postscale_factor): the
+    ring scales each segment chunk by chunk as its owner reduces it, the small paths scale
+    afterwards; both give exactly the bits of reducing first and scaling the whole result
+    after (float16 via float32, integers truncated), the same on every rank."""
+    ts = _make(kind, n)
+    try:
+        rng = np.random.default_rng(7)
+        data = {
+            dt: [(rng.standard_normal(elems) * 100).astype(dt) for _ in range(n)]
+            for dt, _ in SCALED
+        }
+        counts = alg.split_even(elems, n)
+
+        def fn(r, t):
+            out = []
+            for dt, post in SCALED:
+                x = data[dt][r].copy()
+                alg.allreduce(t, x, np.add, Scratch(), post)
+                ref = data[dt][r].copy()
+                alg.allreduce(t, ref, np.add, Scratch())
+                alg.scale(ref, post)
+                y = data[dt][r].copy()
+                mine = alg.reduce_scatter(t, y, counts, np.add, Scratch(), post)
+                z = data[dt][r].copy()
+                want = alg.reduce_scatter(t, z, counts, np.add, Scratch())
+                alg.scale(want, post)
+                out.append((x.tobytes(), ref.tobytes(), mine.tobytes(), want.tobytes()))
+            return out
+
+        res = _run(ts, fn, timeout=60)
+        for r in range(n):
+            for i, (x, ref, mine, want) in enumerate(res[r]):
+                assert x == ref, (r, SCALED[i])
+                assert mine == want, (r, SCALED[i])
+                assert x == res[0][i][0]
+    finally:
+        _close(ts)
+
+
 def test_abort_wakes_a_blocked_exchange_promptly(kind):
     ts = _make(kind, 2)
     try:

@@ -57,18 +57,7 @@ class Buffers:
         return view
 
 
-def scale(buf: np.ndarray, factor: float) -> None:
-    """In-place ``buf *= factor`` with upstream's numerics: float math in the buffer's type
-    (float16 via float32), integers in float64 truncated toward zero."""
-    if factor == 1.0 or buf.size == 0:
-        return
-    kind = buf.dtype.kind
-    if kind == "f" and buf.dtype.itemsize >= 4:
-        np.multiply(buf, buf.dtype.type(factor), out=buf)
-    elif kind in "iu":
-        np.copyto(buf, np.trunc(buf.astype(np.float64) * factor), casting="unsafe")
-    else:  # float16, bfloat16
-        np.copyto(buf, buf.astype(np.float32) * np.float32(factor), casting="unsafe")
+scale = alg.scale  # (the engine's data rounds scale with it too)
 
 
 def _flat(a: np.ndarray) -> np.ndarray:
@@ -142,9 +131,7 @@ def _allreduce(
             trace(f"{kind}_ALLREDUCE")
         if resp.prescale != 1.0:
             scale(buf, resp.prescale)
-        alg.allreduce(t, buf, reducer, bufs.scratch)
-        if post != 1.0:
-            scale(buf, post)
+        alg.allreduce(t, buf, reducer, bufs.scratch, post)
         return [None if e is None else e.output]
     counts = [math.prod(s) for s in resp.shapes]
     total = sum(counts)
@@ -164,8 +151,7 @@ def _allreduce(
             off += c
     trace(f"{kind}_ALLREDUCE")
     scale(buf, resp.prescale)
-    alg.allreduce(t, buf, reducer, bufs.scratch)
-    scale(buf, post)
+    alg.allreduce(t, buf, reducer, bufs.scratch, post)
     trace("MEMCPY_OUT_FUSION_BUFFER")
     off = 0
     results: list = []
@@ -279,8 +265,7 @@ def _reducescatter(
                 off += cnt
     trace(f"{kind}_REDUCESCATTER")
     scale(buf, resp.prescale)
-    mine = alg.reduce_scatter(t, buf, seg, UFUNCS[resp.reduce_op], bufs.scratch)
-    scale(mine, post)
+    mine = alg.reduce_scatter(t, buf, seg, UFUNCS[resp.reduce_op], bufs.scratch, post)
     trace("MEMCPY_OUT_FUSION_BUFFER")
     results = []
     off = 0
