@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
-        f"{a.steps} timed steps, best of {a.repeats} interleaved passes; samples/s of all ranks together\n"
+        f"{a.steps} timed steps, best of {a.repeats} interleaved passes; "
+        "samples/s of all ranks together\n"
     )
     if a.timeline_overhead:
         timeline_overhead(a.models.split(","), a.steps, a.warmup, a.batch_size, a.repeats)
