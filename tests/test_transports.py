@@ -191,6 +191,69 @@ def test_exchange_reduce_combines_on_arrival(kind):
         _close(ts)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_exchange_copy_does_the_local_copies_and_the_transfers(kind, n, monkeypatch):
+    """Local copies next to a step's transfers (an allgather's own block): every copy lands
+    and every message arrives, whether the transport copies first or (shared memory, single
+    copy) in pieces between reads of the peers' messages (pieces made tiny here: many of them,
+    and not a divisor of any length)."""
+    from horovod.transport import shm
+
+    monkeypatch.setattr(shm, "COPY_PIECE", 1000)
+    ts = _make(kind, n)
+    try:
+
+        def fn(r, t):
+            rng = np.random.default_rng(r)
+            src = rng.integers(0, 255, 3 * CHUNK + 7 + 100 * r, dtype=np.uint8)
+            extra = rng.integers(0, 255, 2 * CHUNK + 1, dtype=np.uint8)
+            dst, dst2, empty = np.zeros_like(src), np.zeros_like(extra), np.zeros(0, np.uint8)
+            peers = [p for p in range(n) if p != r]
+            got = {p: np.zeros(3 * CHUNK + 7 + 100 * p, np.uint8) for p in peers}
+            t.exchange_copy(
+                [(p, as_bytes(src)) for p in peers],
+                [(p, as_bytes(got[p])) for p in peers],
+                [
+                    (as_bytes(dst), as_bytes(src)),
+                    (as_bytes(empty), as_bytes(empty)),
+                    (as_bytes(dst2), as_bytes(extra)),
+                ],
+            )
+            want = {
+                p: np.random.default_rng(p).integers(0, 255, got[p].size, dtype=np.uint8)
+                for p in peers
+            }
+            return (
+                np.array_equal(dst, src)
+                and np.array_equal(dst2, extra)
+                and all(np.array_equal(got[p], want[p]) for p in peers)
+            )
+
+        assert all(_run(ts, fn))
+    finally:
+        _close(ts)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("base", [3 * CHUNK, 150_000])
+def test_allgatherv_from_a_separate_own_block(kind, n, base):
+    """``allgatherv(..., src)``: the own block is sent from ``src`` and copied into the output
+    during the exchange (2 ranks or small: direct; more and large: the ring's first step)."""
+    ts = _make(kind, n)
+    try:
+
+        def fn(r, t):
+            sizes = [base + 11 * k for k in range(n)]
+            out = np.zeros(sum(sizes), np.uint8)
+            src = np.full(sizes[r], r + 1, np.uint8)
+            alg.allgatherv(t, out, sizes, src)
+            return np.array_equal(out, np.repeat(np.arange(1, n + 1, dtype=np.uint8), sizes))
+
+        assert all(_run(ts, fn, timeout=60))
+    finally:
+        _close(ts)
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("elems", [1, 1000, 70_001])
 def test_collective_algorithms_agree_with_numpy(kind, n, elems):

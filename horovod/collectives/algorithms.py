@@ -303,30 +303,34 @@ def hierarchical_allgatherv(t, out: np.ndarray, nbytes: Sequence[int], hosts: Ho
     broadcast(hosts.local_view or SubTransport(t, hosts.local), out, 0)
 
 
-def allgatherv(t, out: np.ndarray, nbytes: Sequence[int]) -> None:
+def allgatherv(t, out: np.ndarray, nbytes: Sequence[int], src: np.ndarray | None = None) -> None:
     """``out`` (flat uint8) holds block r (``nbytes[r]`` bytes, rank order) on rank r; afterwards
-    every block is present on every rank."""
+    every block is present on every rank. With ``src`` (this rank's block, elsewhere), the
+    block is sent from ``src`` and copied into ``out`` during the first step."""
     n, me = t.size, t.rank
-    if n == 1:
-        return
-    if HIERARCHICAL_ALLGATHER:
-        hosts = _hosts(t)
-        if hosts is not None:
-            hierarchical_allgatherv(t, out, nbytes, hosts)
-            return
     offs = _offsets(nbytes)
     blocks = [out[offs[r] : offs[r] + nbytes[r]] for r in range(n)]
+    copies = [] if src is None else [(as_bytes(blocks[me]), as_bytes(src))]
+    hosts = _hosts(t) if HIERARCHICAL_ALLGATHER and n > 1 else None
+    if n == 1 or hosts is not None:
+        for dst, mine in copies:
+            dst[:] = mine
+        if hosts is not None:
+            hierarchical_allgatherv(t, out, nbytes, hosts)
+        return
+    own = as_bytes(blocks[me]) if src is None else as_bytes(src)
     if sum(nbytes) <= SMALL_BYTES * 2 or n == 2:
         peers = [p for p in range(n) if p != me]
-        t.exchange(
-            [(p, as_bytes(blocks[me])) for p in peers], [(p, as_bytes(blocks[p])) for p in peers]
+        t.exchange_copy(
+            [(p, own) for p in peers], [(p, as_bytes(blocks[p])) for p in peers], copies
         )
     else:
         right, left = (me + 1) % n, (me - 1) % n
         for s in range(n - 1):
-            t.exchange(
-                [(right, as_bytes(blocks[(me - s) % n]))],
+            t.exchange_copy(
+                [(right, own if s == 0 else as_bytes(blocks[(me - s) % n]))],
                 [(left, as_bytes(blocks[(me - s - 1) % n]))],
+                copies if s == 0 else (),
             )
 
 

@@ -182,11 +182,9 @@ def _allgather(
     if len(entries) == 1:
         e, out = entries[0], outputs[0]
         nbytes = [d * rows[0] * dtype.itemsize for d in resp.dim0s[0]]
-        flat = _bytes(out)
-        start = sum(nbytes[:me])
-        flat[start : start + nbytes[me]] = _bytes(e.array)
         trace(f"{kind}_ALLGATHER")
-        alg.allgatherv(t, flat, nbytes)
+        # (the own block is copied in during the exchange: between reads of the others')
+        alg.allgatherv(t, _bytes(out), nbytes, _bytes(e.array))
         return outputs
     # Fused: rank-major blocks, each block tensor-major.
     per_rank = [

@@ -8,6 +8,9 @@ Only the engine thread calls ``exchange``. ``exchange_reduce(sends, recvs, reduc
 step with receives that are combined into an array instead of stored: for ``(peer, dst, op)``
 the incoming message (``dst.nbytes`` long) ends as ``op(dst, incoming, out=dst)``. The shared-
 memory transport reduces straight out of its slots chunk by chunk; others receive into scratch.
+``exchange_copy(sends, recvs, copies)`` is ``exchange`` plus local copies ``(dst, src)`` (byte
+views of one length) that the transport may interleave with the step's transfers; no send may
+read a copy's ``dst``. By default the copies come first.
 
 Control plane: a star between rank 0 (the coordinator) and every other rank, carrying framed
 messages. ``send_ctrl`` is thread-safe; ``start_ctrl(handler)`` makes the transport call
@@ -85,6 +88,19 @@ class Transport(ABC):
         for (_, dst, op), tmp in zip(reduces, tmps, strict=True):
             op(dst, tmp, out=dst)
 
+    def exchange_copy(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        copies: Sequence[tuple[memoryview, memoryview]],
+    ) -> None:
+        """``exchange`` plus the local copies ``(dst, src)``, in any order relative to the
+        transfers (a rank's own block of an allgather: the shared-memory transport copies it
+        piece by piece between reads of the peer's block, while that block is in cache)."""
+        for dst, src in copies:
+            dst[:] = src
+        self.exchange(sends, recvs)
+
     def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         """``exchange`` for a step whose data flows one way between each pair (a broadcast
         tree: the sender has nothing else to do). The shared-memory transport then keeps both
@@ -124,6 +140,17 @@ class SubTransport:
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks
         self.parent.exchange([(r[p], m) for p, m in sends], [(r[p], m) for p, m in recvs])
+
+    def exchange_copy(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        copies: Sequence[tuple[memoryview, memoryview]],
+    ) -> None:
+        r = self.ranks
+        self.parent.exchange_copy(
+            [(r[p], m) for p, m in sends], [(r[p], m) for p, m in recvs], copies
+        )
 
     def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks

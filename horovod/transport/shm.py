@@ -64,6 +64,10 @@ _DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
 _POLL_MS = 200
 BOARD_DATA = 1024 * 1024  # data of one peer-round post (small allreduces, allgathers, broadcasts)
 BOARD_IDS = PAGE // 8 - 8  # cache ids per post
+# Own-block copies interleaved with single-copy reads (``exchange_copy``): this much of the
+# peer's message is read, then as large a share of the copies, so both ranks' blocks pass
+# through the shared cache once for the two readers (the owner's copy, the peer's read).
+COPY_PIECE = 1 << 20
 _STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
 
@@ -326,6 +330,28 @@ class _Board:
         for _, latest, slots in self.peers:
             for v in (latest, *(x for pair in slots for x in pair)):
                 v.release()
+
+
+class _Copier:
+    """Local copies ``(dst, src)`` done piece by piece between a step's transfers."""
+
+    def __init__(self, copies: Sequence[tuple[memoryview, memoryview]]) -> None:
+        self.items = [(d, src) for d, src in copies if src.nbytes]
+        self.left = sum(src.nbytes for _, src in self.items)
+        self.i = self.off = 0
+
+    def some(self, nbytes: int) -> None:
+        while nbytes > 0 and self.i < len(self.items):
+            d, src = self.items[self.i]
+            off = self.off
+            n = min(nbytes, src.nbytes - off)
+            d[off : off + n] = src[off : off + n]
+            nbytes -= n
+            self.left -= n
+            if off + n == src.nbytes:
+                self.i, self.off = self.i + 1, 0
+            else:
+                self.off = off + n
 
 
 class _Pending:
@@ -693,6 +719,23 @@ class ShmTransport(Transport):
             raise TransportError(self._aborted)
         self._exchange_reduce(sends, recvs, (), 1 << 62)
 
+    def exchange_copy(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        copies: Sequence[tuple[memoryview, memoryview]],
+    ) -> None:
+        """With a single-copy receive in the step, the copies are done in pieces between
+        reads of it (each rank's own block then crosses the shared cache once for both of its
+        readers) and while waiting; otherwise first."""
+        big = self.single_copy
+        if not big or all(mv.nbytes < big or p not in self._in for p, mv in recvs):
+            super().exchange_copy(sends, recvs, copies)
+            return
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
+        self._exchange_reduce(sends, recvs, (), big, _Copier(copies))
+
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
     ) -> None:
@@ -706,8 +749,10 @@ class ShmTransport(Transport):
         recvs: Sequence[Message],
         reduces: Sequence[Reduce],
         big: int,
+        copier: _Copier | None = None,
     ) -> None:
-        """``exchange_reduce`` where local messages of at least ``big`` bytes go by single copy."""
+        """``exchange_reduce`` where local messages of at least ``big`` bytes go by single copy
+        (and ``copier``'s copies are done between reads and while waiting)."""
         out: dict[int, list[_Pending]] = {}
         inc: dict[int, list[_Pending]] = {}
         r_sends: list[Message] = []
@@ -748,15 +793,25 @@ class ShmTransport(Transport):
         if r_sends or r_recvs:
             r_out, r_inc = tcp.queue(r_sends, r_recvs)  # type: ignore[attr-defined]
         while out or inc or r_out or r_inc:
-            moved = self._progress(out, inc)
+            moved = self._progress(out, inc, copier)
             if r_out or r_inc:
                 moved = tcp.progress(r_out, r_inc) or moved  # type: ignore[attr-defined]
             if not moved:
+                if copier is not None and copier.left:
+                    copier.some(COPY_PIECE)  # rather than wait
+                    continue
                 self._wait(out, inc, r_out, r_inc, self.chunk)
+        if copier is not None:
+            copier.some(copier.left)
         for d, op, tmp in after:
             op(d, tmp, out=d)
 
-    def _progress(self, out: dict[int, list[_Pending]], inc: dict[int, list[_Pending]]) -> bool:
+    def _progress(
+        self,
+        out: dict[int, list[_Pending]],
+        inc: dict[int, list[_Pending]],
+        copier: _Copier | None = None,
+    ) -> bool:
         moved = False
         nslots, chunk = self.nslots, self.chunk
         for peer in list(out):
@@ -803,7 +858,7 @@ class ShmTransport(Transport):
                 p = q[0]
                 slot = ch.slots[ch.count % nslots]
                 if p.direct:
-                    self._read_direct(peer, p, slot)
+                    self._read_direct(peer, p, slot, copier)
                     n = p.mv.nbytes
                 elif p.dst is None:
                     n = min(chunk, p.mv.nbytes - p.off)
@@ -828,9 +883,12 @@ class ShmTransport(Transport):
                 del inc[peer]
         return moved
 
-    def _read_direct(self, peer: int, p: _Pending, slot: memoryview) -> None:
+    def _read_direct(
+        self, peer: int, p: _Pending, slot: memoryview, copier: _Copier | None = None
+    ) -> None:
         """Receive ``p`` from ``peer``'s memory at the address its slot names: one copy into
-        the destination, or for a reduction chunk by chunk through scratch (cache-sized)."""
+        the destination (in pieces, each after a share of ``copier``'s copies), or for a
+        reduction chunk by chunk through scratch (cache-sized)."""
         addr, nbytes = _DESC.unpack_from(slot, 0)
         if nbytes != p.mv.nbytes:
             raise TransportError(
@@ -840,7 +898,15 @@ class ShmTransport(Transport):
         pid = self._pids[peer]
         try:
             if p.dst is None:
-                cma.read(pid, addr, cma.address(p.mv), nbytes)
+                where = cma.address(p.mv)
+                if copier is None or not copier.left:
+                    cma.read(pid, addr, where, nbytes)
+                    return
+                pieces = -(-nbytes // COPY_PIECE)
+                share = -(-copier.left // pieces)
+                for off in range(0, nbytes, COPY_PIECE):
+                    copier.some(share)
+                    cma.read(pid, addr + off, where + off, min(COPY_PIECE, nbytes - off))
                 return
             dst = p.dst
             item, step = dst.itemsize, self.chunk
