@@ -865,6 +865,11 @@ def test_training_benchmark_and_synthetic_example_run():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "| convnet |" in r.stdout and "x |" in r.stdout
     assert "2 plain procs at once (no comm.)" in r.stdout
+    assert "2 plain procs in lockstep" in r.stdout and "lockstep eff. (vs plain)" in r.stdout
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| convnet |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 13, row
+    assert float(cells[3]) > 0 and cells[9].endswith("%"), row  # the lockstep reference
     r = horovodrun_example(
         2,
         "pytorch_synthetic_benchmark.py",

@@ -10,9 +10,13 @@ of horovod.torch and of DDP at 1 and 2 ranks, the scaling efficiency of each (th
 ranks / (2 x its throughput at 1 rank), and against the plain single process), and the
 horovod/DDP ratio at 2 ranks (> 1 means horovod.torch trains faster).
 
-The reference: two plain processes training at the same time without any communication. What
-they reach together against twice one alone ("ceiling eff.") is what sharing the cores, caches
-and memory bandwidth costs by itself, the most any data-parallel job can reach on the machine.
+Two references. Two plain processes training at the same time without any communication:
+what they reach together against twice one alone ("ceiling eff.") is what sharing the cores,
+caches and memory bandwidth costs by itself. Two plain processes in lockstep: the same, plus a
+4-byte allreduce after every step, so that each step starts on both ranks together, as in
+synchronous data-parallel training, but no gradient moves ("lockstep eff."): every step then
+lasts as long as the slower rank's, which is what synchronous training costs on the machine
+before any communication, the most horovod.torch or DDP can reach there.
 ``--repeats R`` makes R passes over all configurations in turn and keeps each one's best, so
 that a slow phase of a shared machine lands on every configuration alike.
 """
@@ -31,7 +35,7 @@ import time
 from horovod.benchmarks import launch
 
 
-def _train(model, optimizer, steps: int, warmup: int, batch: int) -> float:
+def _train(model, optimizer, steps: int, warmup: int, batch: int, after=None) -> float:
     import torch
     import torch.nn.functional as F
 
@@ -43,6 +47,8 @@ def _train(model, optimizer, steps: int, warmup: int, batch: int) -> float:
         optimizer.zero_grad()
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
+        if after is not None:
+            after()
 
     for _ in range(warmup):
         step()
@@ -63,6 +69,17 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
     if kind == "plain":
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         seconds, size, rank = _train(model, opt, steps, warmup, batch), 1, 0
+    elif kind == "lockstep":
+        import horovod.torch as hvd
+
+        hvd.init()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        tick = torch.zeros(1)
+        seconds = _train(
+            model, opt, steps, warmup, batch, lambda: hvd.allreduce_(tick, name="lockstep")
+        )
+        size, rank = hvd.size(), hvd.rank()
+        seconds = float(hvd.allreduce(torch.tensor(seconds), op=hvd.Max, name="time"))
     elif kind == "horovod":
         import horovod.torch as hvd
 
@@ -103,7 +120,9 @@ def run(
         return _run_independent(np_, model, steps, warmup, batch)
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     args = launch.worker_args("horovod.benchmarks.training", kind, model, steps, warmup, batch, out)
-    launcher = {"plain": "none", "horovod": "horovodrun", "ddp": "torchrun"}[kind]
+    launcher = {"plain": "none", "horovod": "horovodrun", "lockstep": "horovodrun"}.get(
+        kind, "torchrun"
+    )
     launch.run(launcher, np_, args, extra_env)
     with open(out) as f:
         value = json.load(f)["samples_per_s"]
@@ -168,8 +187,8 @@ def timeline_overhead(models: list[str], steps: int, warmup: int, batch: int, re
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="convnet,mlp200")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=32, help="per rank")
     ap.add_argument(
         "--repeats",
@@ -180,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--timeline-overhead", action="store_true", help="measure timeline on vs off instead"
     )
-    ap.add_argument("--worker", choices=["plain", "horovod", "ddp"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--worker", choices=["plain", "lockstep", "horovod", "ddp"], help=argparse.SUPPRESS
+    )
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -195,15 +216,17 @@ def main(argv: list[str] | None = None) -> int:
         timeline_overhead(a.models.split(","), a.steps, a.warmup, a.batch_size, a.repeats)
         return 0
     print(
-        "| model | plain 1 proc | 2 plain procs at once (no comm.) | horovod 1 | horovod 2 | "
-        "DDP 1 | DDP 2 | ceiling eff. (2 plain procs vs plain) | horovod eff. "
-        "(vs 1 rank / vs plain) | DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |"
+        "| model | plain 1 proc | 2 plain procs at once (no comm.) | 2 plain procs in lockstep | "
+        "horovod 1 | horovod 2 | DDP 1 | DDP 2 | ceiling eff. (2 plain procs vs plain) | "
+        "lockstep eff. (vs plain) | horovod eff. (vs 1 rank / vs plain) | "
+        "DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in a.models.split(","):
         configs = (
             ("plain", 1),
             ("plain", 2),
+            ("lockstep", 2),
             ("horovod", 1),
             ("horovod", 2),
             ("ddp", 1),
@@ -220,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
             return f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / {r[(kind, 2)] / (2 * plain):.0%}"
 
         print(
-            f"| {model} | {plain:.0f} | {r[('plain', 2)]:.0f} | {r[('horovod', 1)]:.0f} | "
-            f"{r[('horovod', 2)]:.0f} | {r[('ddp', 1)]:.0f} | {r[('ddp', 2)]:.0f} | "
-            f"{r[('plain', 2)] / (2 * plain):.0%} | {eff('horovod')} | {eff('ddp')} | "
+            f"| {model} | {plain:.0f} | {r[('plain', 2)]:.0f} | {r[('lockstep', 2)]:.0f} | "
+            f"{r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | {r[('ddp', 1)]:.0f} | "
+            f"{r[('ddp', 2)]:.0f} | {r[('plain', 2)] / (2 * plain):.0%} | "
+            f"{r[('lockstep', 2)] / (2 * plain):.0%} | {eff('horovod')} | {eff('ddp')} | "
             f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |",
             flush=True,
         )
