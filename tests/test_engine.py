@@ -842,6 +842,9 @@ def test_round_decisions_need_the_same_ops_kind_bytes_and_list_count():
     assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [5, 4], mem[:76])]) == "fallback"
     assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [], mem[:0])]) == "fallback"
     assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1 | 1, [4, 5], mem[:0])]) == "fallback"
+    # With the bytes per rank the poster already knows (rank 0: 2 rows, no broadcast part).
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76])], [40, 76]) == "data"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:40])], [40, 76]) == "fallback"
     # Plane rounds: same ids after the same number of response lists.
     tag = 6 << 1 | 1
     assert _decide(items, [4, 5], tag, [(1, tag, [4, 5], mem[:0])]) == "plane"

@@ -322,6 +322,10 @@ class Engine:
         self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
         self.round_cids: list[int] = []
         self.round_tag = 0
+        self.round_totals: list[int] = []  # bytes each rank posts in this rank's data round
+        # Bytes each rank posts for a cached op in a data round, by cache id (ids are never
+        # reused, so entries never go stale; cleared now and then to bound the memory).
+        self._posted_by_cid: dict[int, tuple[int, ...]] = {}
         # Response lists processed so far (every rank processes the same lists in the same
         # order). A plane round runs only where every rank posted at the same count, and a
         # rank holds back the lists that arrive after its plane post until the round is
@@ -351,10 +355,11 @@ class Engine:
         with self.lock:
             if self.closed is not None:
                 raise HorovodInternalError(self.closed)
+            table = self.table
             keys = [e.key for e in entries]
             seen: set[tuple[int, str]] = set()
             for e, k in zip(entries, keys, strict=True):
-                if k in self.table or k in seen:
+                if k in table or k in seen:
                     raise ValueError(
                         DUPLICATE_NAME.format(
                             what=display_name(e.request.op, e.request.name).split(" ")[0],
@@ -362,10 +367,10 @@ class Engine:
                         )
                     )
                 seen.add(k)
+            driver = self.run_until if self.fast else None
             for e, k in zip(entries, keys, strict=True):
-                self.table[k] = e
-                if self.fast:
-                    e.handle.driver = self.run_until
+                table[k] = e
+                e.handle.driver = driver
             self.unsent += len(entries)
         if wake:
             self._post(("sub", entries))
@@ -609,6 +614,8 @@ class Engine:
                     if not self._handle(batch):
                         self._stop_now = True
                         break
+                    if handle.done():
+                        break
                     due = self._timeout()
                     now = clock()
                     timer = now + due if due is not None else float("inf")
@@ -809,6 +816,8 @@ class Engine:
         data = True
         cids: list[int] = []
         items: list[tuple[Entry, Response]] = []
+        totals = [0] * self.size
+        memo = self._posted_by_cid
         for e in entries:
             req = e.request
             if req.ps_id != 0 or req.op not in CACHEABLE:
@@ -823,8 +832,16 @@ class Engine:
                     data = req.reduce_op in ops.UFUNCS and budget >= 0
                 else:
                     data = req.op == ALLGATHER or req.op == BROADCAST
-                room -= max(_posted(resp, r) for r in range(self.size)) if data else 0
-                data = data and room >= 0
+                if data:
+                    sizes = memo.get(cid)
+                    if sizes is None:
+                        if len(memo) > 4096:
+                            memo.clear()
+                        sizes = memo[cid] = tuple(_posted(resp, r) for r in range(self.size))
+                    room -= max(sizes)
+                    data = room >= 0
+                    for r in range(self.size):
+                        totals[r] += sizes[r]
             cids.append(cid)
             items.append((e, resp))
         if data:
@@ -840,6 +857,7 @@ class Engine:
             tag = self.lists_done << 1 | 1
         self.transport.board_post(cids, parts, tag)  # type: ignore[attr-defined]
         self.round_items, self.round_cids, self.round_tag = items, cids, tag
+        self.round_totals = totals
         self.round_posted_at = self.clock()
         self.round_warn_at = self.round_posted_at + self.round_warn_s
         self.stats["rounds_posted"] += 1
@@ -884,7 +902,7 @@ class Engine:
             if not items:
                 continue
             cids, self.round_cids = self.round_cids, []
-            how = _decide(items, cids, self.round_tag, posts)
+            how = _decide(items, cids, self.round_tag, posts, self.round_totals)
             if how == "plane":
                 self._run_plane_round(items)
                 continue
@@ -1293,12 +1311,16 @@ def _fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
 
 
 def _decide(
-    items: list[tuple[Entry, Response]], cids: list[int], tag: int, posts: list[tuple]
+    items: list[tuple[Entry, Response]],
+    cids: list[int],
+    tag: int,
+    posts: list[tuple],
+    totals: Sequence[int] | None = None,
 ) -> str:
     """How a peer round this rank posted ``items`` (ids ``cids``, ``tag``) to runs, given the
     peers' ``posts`` (rank, tag, ids, data): "data" (from the posts alone), "plane" (on the
     data plane) or "fallback" (through rank 0). Every rank sees the same posts and decides
-    the same."""
+    the same. ``totals``: the bytes each rank posts for ``items`` (computed if not given)."""
     if tag & 1:
         # Same ops, posted after the same number of response lists: run on the data plane,
         # exactly as a list from rank 0 would. After different numbers, one rank may have run
@@ -1306,7 +1328,9 @@ def _decide(
         ok = all(c == cids and t == tag for _, t, c, _ in posts)
         return "plane" if ok else "fallback"
     ok = all(
-        c == cids and not t & 1 and d.nbytes == sum(_posted(resp, r) for _, resp in items)
+        c == cids
+        and not t & 1
+        and d.nbytes == (totals[r] if totals else sum(_posted(resp, r) for _, resp in items))
         for r, t, c, d in posts
     )
     return "data" if ok else "fallback"
