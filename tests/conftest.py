@@ -28,25 +28,25 @@ def run_script(
     """Run ``script`` (Python source) under the real horovodrun; returns CompletedProcess."""
     import tempfile
 
-    d = tempfile.mkdtemp(prefix="hvdtest-")
-    path = os.path.join(d, "script.py")
-    with open(path, "w") as f:
-        f.write(textwrap.dedent(script))
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
-    cmd = [
-        sys.executable,
-        "-m",
-        "horovod.runner.launch",
-        "-np",
-        str(np_),
-        *launcher_args,
-        sys.executable,
-        path,
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=not raw, timeout=timeout, env=full_env)
+    with tempfile.TemporaryDirectory(prefix="hvdtest-") as d:  # removed with the script
+        path = os.path.join(d, "script.py")
+        with open(path, "w") as f:
+            f.write(textwrap.dedent(script))
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
+        cmd = [
+            sys.executable,
+            "-m",
+            "horovod.runner.launch",
+            "-np",
+            str(np_),
+            *launcher_args,
+            sys.executable,
+            path,
+            *args,
+        ]
+        return subprocess.run(cmd, capture_output=True, text=not raw, timeout=timeout, env=full_env)
 
 
 def run_module(*args: str, timeout: float = 120):

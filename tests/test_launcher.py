@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 
@@ -222,7 +221,7 @@ def _children_of(pid):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_stops_every_worker(sig, code):
+def test_ctrl_c_stops_every_worker(sig, code, tmp_path):
     script = textwrap.dedent("""
         import os, time, numpy as np, horovod.numpy as hvd
         hvd.init()
@@ -231,8 +230,7 @@ def test_ctrl_c_stops_every_worker(sig, code):
             hvd.allreduce(np.ones(2))
             time.sleep(0.01)
     """)
-    d = tempfile.mkdtemp()
-    path = os.path.join(d, "loop.py")
+    path = os.path.join(tmp_path, "loop.py")
     with open(path, "w") as f:
         f.write(script)
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -282,8 +280,7 @@ def test_strangers_on_the_ports_do_not_disturb_a_running_job(tmp_path):
         print("exact", total == want, "rejected", getattr(t, "rejected", None), flush=True)
     """
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    d = tempfile.mkdtemp()
-    path = os.path.join(d, "job.py")
+    path = os.path.join(tmp_path, "job.py")
     with open(path, "w") as f:
         f.write(textwrap.dedent(script))
     p = subprocess.Popen(
