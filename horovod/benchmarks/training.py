@@ -120,9 +120,13 @@ def run(
         return _run_independent(np_, model, steps, warmup, batch)
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     args = launch.worker_args("horovod.benchmarks.training", kind, model, steps, warmup, batch, out)
-    launcher = {"plain": "none", "horovod": "horovodrun", "lockstep": "horovodrun"}.get(
-        kind, "torchrun"
-    )
+    launchers = {
+        "plain": "none",
+        "lockstep": "horovodrun",
+        "horovod": "horovodrun",
+        "ddp": "torchrun",
+    }
+    launcher = launchers[kind]
     launch.run(launcher, np_, args, extra_env)
     with open(out) as f:
         value = json.load(f)["samples_per_s"]
