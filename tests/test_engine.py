@@ -638,7 +638,11 @@ def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
             _stop_all(engines)
 
 
-def _submit_op(eng, op: int, name: str, x: np.ndarray, root: int = -1, ps_id: int = 0):
+def _submit_op(
+    eng, op: int, name: str, x: np.ndarray, root: int = -1, ps_id: int = 0, wake: bool = True
+):
+    """Submit one op; ``wake=False``: as the frontend's synchronous calls do (the caller
+    waits at once, and a lone small cached op may run its round on the calling thread)."""
     from horovod.common.dtypes import code_of
     from horovod.core.engine import Entry, Handle
     from horovod.core.messages import SUM, Request
@@ -646,8 +650,165 @@ def _submit_op(eng, op: int, name: str, x: np.ndarray, root: int = -1, ps_id: in
     h = Handle(1)
     req = Request(ps_id, name, op, code_of(x.dtype, "op"), x.shape, SUM, root)
     out = np.empty_like(x) if op != ALLGATHER else None
-    eng.submit([Entry(req, x, out, h)])
+    eng.submit([Entry(req, x, out, h)], wake=wake)
     return h
+
+
+def _waited(eng, op: int, name: str, x: np.ndarray, root: int = -1):
+    """A synchronous call: submit with ``wake=False`` and wait at once."""
+    return _submit_op(eng, op, name, x, root, wake=False).wait()[0]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_lone_waited_ops_run_their_round_on_the_calling_thread(n):
+    """Synchronous small cached allreduces, allgathers and broadcasts, one at a time on every
+    rank: once cached, each runs its data round on the thread that waits for it (``_quick``),
+    and every result is exact."""
+    engines = _shm_engines(n)
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            try:
+                for step in range(40):
+                    out = _waited(eng, ALLREDUCE, "s", np.full(3, r + step, np.int64))
+                    assert (out == n * step + n * (n - 1) // 2).all(), (r, step, out)
+                    g = _waited(eng, ALLGATHER, "g", np.full((r + 1, 2), r * step, np.float32))
+                    want = np.concatenate([np.full((q + 1, 2), q * step) for q in range(n)])
+                    assert g.shape == want.shape and (g == want).all(), (r, step, g)
+                    b = _waited(eng, BROADCAST, "b", np.full(5, r + 10 * step, np.int32), 1)
+                    assert (b == 1 + 10 * step).all(), (r, step, b)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        _race(rank, n, engines, errors, 60)
+        for e in engines:
+            # The first call of each op negotiates at rank 0; nearly all others go quick (a
+            # rank that finds its engine thread busy for a moment takes the general way).
+            assert e.stats["quick_rounds"] >= 60, e.stats
+            assert e.stats["rounds_run"] >= e.stats["quick_rounds"] - 10, e.stats
+    finally:
+        _stop_all(engines)
+
+
+def test_a_quick_round_that_the_peers_answer_differently_goes_through_rank_0():
+    """Rank 0 runs lone synchronous ops quick while rank 1 submits the same two ops
+    asynchronously in the other order (its round, if any, is for the other op, and while it
+    has ops in flight it answers rank 0's rounds with nothing): the quick rounds fall back to
+    rank 0 and every result is exact. Rank 1 never runs a quick round."""
+    engines = _shm_engines(2)
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            try:
+                for step in range(30):
+                    if r == 0:
+                        a = _waited(eng, ALLREDUCE, "a", np.full(2, step, np.float64))
+                        b = _waited(eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
+                    else:
+                        # In the other order: rank 1 posts a round for "b" (or "b" and "a")
+                        # that rank 0's round for "a" disagrees with.
+                        hb = _submit_op(eng, ALLREDUCE, "b", np.full(2, 2.0, np.float64))
+                        ha = _submit_op(eng, ALLREDUCE, "a", np.full(2, 1.0, np.float64))
+                        a, b = ha.wait()[0], hb.wait()[0]
+                    assert (a == step + 1).all() and (b == 2 * step + 2).all(), (r, step, a, b)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        _race(rank, 2, engines, errors, 60)
+        assert engines[0].stats["quick_rounds"] >= 20, engines[0].stats
+        assert engines[1].stats["quick_rounds"] == 0, engines[1].stats
+        assert engines[0].stats["rounds_run"] <= 2, engines[0].stats  # fallbacks, not rounds
+    finally:
+        _stop_all(engines)
+
+
+def test_a_quick_round_whose_peer_posts_late_is_finished_by_the_general_path():
+    """Rank 1 reaches each op 20 ms after rank 0, far past rank 0's spin: rank 0's quick
+    round stops waiting and the general path (its waiting thread, then its engine thread)
+    finishes it once rank 1 posts. The rounds still run (no fallback), results are exact."""
+    engines = _shm_engines(2)
+    try:
+        errors: list = []
+
+        def rank(r, engines=engines, errors=errors):
+            eng = engines[r]
+            try:
+                for step in range(12):
+                    if r == 1:
+                        time.sleep(0.02)
+                    out = _waited(eng, ALLREDUCE, "late", np.full(4, r + step, np.float32))
+                    assert (out == 2 * step + 1).all(), (r, step, out)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        _race(rank, 2, engines, errors, 60)
+        for e in engines:
+            assert e.stats["quick_rounds"] >= 10, e.stats
+            assert e.stats["rounds_run"] >= 10, e.stats
+    finally:
+        _stop_all(engines)
+
+
+def test_no_quick_round_while_another_op_is_in_flight_on_the_rank():
+    """An asynchronous op still pending on the rank (a broadcast, new to the cache, waiting
+    at rank 0 for its root) keeps a synchronous call off the quick way: it goes the general
+    way, and both complete once the root submits."""
+    engines = _shm_engines(2)
+    try:
+        for step in range(3):  # cache the allreduce
+            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
+            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        quick = [e.stats["quick_rounds"] for e in engines]
+        pending = _submit_op(engines[1], BROADCAST, "p", np.full(2, 1, np.int64), 0)
+        got: list = []
+        t = threading.Thread(
+            target=lambda: got.append(_waited(engines[1], ALLREDUCE, "w", np.full(2, 5, np.int64)))
+        )
+        t.start()
+        time.sleep(0.05)
+        assert engines[1].stats["quick_rounds"] == quick[1]
+        assert (_waited(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64)) == 9).all()
+        t.join(10)
+        assert got and (got[0] == 9).all()
+        root = _submit_op(engines[0], BROADCAST, "p", np.full(2, 7, np.int64), 0)
+        assert (root.wait()[0] == 7).all() and (pending.wait()[0] == 7).all()
+        assert engines[1].stats["quick_rounds"] == quick[1]
+    finally:
+        _stop_all(engines)
+
+
+def test_synchronous_ops_from_several_threads_of_each_rank_are_exact():
+    """Two application threads per rank make synchronous calls on their own names at the same
+    time: whichever takes the quick way, the others queue behind it, the ranks' rounds often
+    disagree (fall back to rank 0), and nothing hangs or mixes up results."""
+    engines = _shm_engines(2)
+    try:
+        errors: list = []
+
+        def worker(r, k, eng, errors):
+            try:
+                for step in range(40):
+                    x = np.full(3, 100 * k + r + step, np.int64)
+                    out = _waited(eng, ALLREDUCE, f"t{k}", x)
+                    assert (out == 200 * k + 1 + 2 * step).all(), (r, k, step, out)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+
+        def rank(r, engines=engines, errors=errors):
+            ts = [threading.Thread(target=worker, args=(r, k, engines[r], errors)) for k in (0, 1)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(50)
+
+        _race(rank, 2, engines, errors, 60)
+        assert sum(e.stats["quick_rounds"] for e in engines) > 0
+    finally:
+        _stop_all(engines)
 
 
 def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():

@@ -296,9 +296,10 @@ def test_response_list_larger_than_the_control_ring_reaches_every_rank():
 @pytest.mark.parametrize("np_", [2, 3])
 def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
     """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer
-    truncation, a grouped op) run as peer rounds by default: every rank computes the result
-    itself, and it must be bit for bit what the coordinator's eager path and the data plane's
-    direct exchange give, on every rank."""
+    truncation, a grouped op) run as peer rounds by default (the synchronous ones on the
+    calling thread, the quick way): every rank computes the result itself, and it must be bit
+    for bit what the coordinator's eager path and the data plane's direct exchange give, on
+    every rank."""
     script = """
         import hashlib, numpy as np, horovod.numpy as hvd
         from horovod.core.context import current
@@ -325,8 +326,9 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
             outs = hvd.grouped_allreduce([rng.standard_normal(5), rng.standard_normal(3)],
                                          name="g", op=hvd.Sum)
             digest.update(b"".join(o.tobytes() for o in outs))
+        stats = current().engine.stats
         print("digest", hvd.rank(), digest.hexdigest(),
-              "rounds", current().engine.stats["rounds_run"], flush=True)
+              "rounds", stats["rounds_run"], "quick", stats["quick_rounds"], flush=True)
     """
     digests = {}
     for mode, env, rounds_on in [
@@ -343,15 +345,18 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
     ]:
         out = run_script(script, np_=np_, env=env, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
-        found = re.findall(r"digest (\d) (\w+) rounds (\d+)", out.stdout)
+        found = re.findall(r"digest (\d) (\w+) rounds (\d+) quick (\d+)", out.stdout)
         assert len(found) == np_, out.stdout
-        assert len({d for _, d, _ in found}) == 1, (mode, found)  # every rank alike
+        assert len({d for _, d, _, _ in found}) == 1, (mode, found)  # every rank alike
         digests[mode] = found[0][1]
-        rounds = [int(n) for _, _, n in found]
+        rounds = [int(n) for _, _, n, _ in found]
+        quick = [int(q) for _, _, _, q in found]
         if rounds_on:
             assert all(n >= 1 for n in rounds), (mode, found)
         else:
-            assert rounds == [0] * np_, (mode, found)
+            assert rounds == [0] * np_ and quick == [0] * np_, (mode, found)
+        if mode == "rounds":  # the synchronous calls ran their rounds on the calling thread
+            assert all(q >= 1 for q in quick), (mode, found)
     assert len(set(digests.values())) == 1, digests
 
 

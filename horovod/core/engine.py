@@ -274,6 +274,7 @@ class Engine:
             "eager_responses": 0,  # responses that arrived reduced (no data-plane round)
             "rounds_posted": 0,  # peer rounds this rank posted ops to
             "rounds_run": 0,  # ... that every rank posted the same to (run without rank 0)
+            "quick_rounds": 0,  # ... posted by a waiting thread for a lone op (``_quick``)
         }
         self._register(0, range(size))
         for i, ranks in enumerate(process_sets, start=1):
@@ -319,6 +320,9 @@ class Engine:
         # the results from the posts ("data" rounds); other cached ops post only their ids
         # and run on the data plane ("plane" rounds).
         self.round_budget = min(eager_bytes, BOARD_DATA)
+        # A lone small cached op that its thread waits for at once runs its data round on
+        # that thread without the engine's event handling (``_quick``).
+        self.quick = True
         self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
         self.round_cids: list[int] = []
         self.round_tag = 0
@@ -368,11 +372,15 @@ class Engine:
                     )
                 seen.add(k)
             driver = self.run_until if self.fast else None
+            quick = not wake and self.quick and len(entries) == 1 and self._alone(entries[0])
             for e, k in zip(entries, keys, strict=True):
                 table[k] = e
                 e.handle.driver = driver
-            self.unsent += len(entries)
-        if wake:
+            if not quick:
+                self.unsent += len(entries)
+        if quick:
+            self._drive(entries[0].handle, entries[0])
+        elif wake:
             self._post(("sub", entries))
         else:  # the caller waits at once and runs the engine itself (Handle.wait)
             self.inbox.put(("sub", entries))
@@ -595,18 +603,120 @@ class Engine:
             self._stop_now = True
             self._close_table(self.closed or shutdown_message())
 
+    def _alone(self, e: Entry) -> bool:
+        """(Called under ``self.lock`` by the submitting thread, which waits for ``e`` at once.)
+        Can ``e`` take the quick way: nothing else in flight on this rank, the engine free,
+        and ``e`` a cached op of the global set small enough for a data round? Then the
+        calling thread holds ``drive`` on return, and ``_quick`` runs the round."""
+        if (
+            self.table
+            or self.unsent
+            or not self.peer_rounds
+            or self.board is None
+            or self.timeline is not None
+            or self.autotuner is not None
+            or not self.fast
+            or self.closing
+            or self._stop_now
+        ):
+            return False
+        req = e.request
+        op = req.op
+        if req.ps_id != 0 or not (
+            op == ALLGATHER or op == BROADCAST or (op == ALLREDUCE and req.reduce_op in ops.UFUNCS)
+        ):
+            return False
+        if not self.drive.acquire(blocking=False):
+            return False
+        board = self.board
+        ss = self.sets[0]
+        cid = None
+        if (
+            not self.round_items
+            and not board.open
+            and not self.held
+            and self.inbox.empty()
+            and self.transport.ctrl_idle()  # type: ignore[attr-defined]
+            and ss.cache.enabled
+            and (op != ALLREDUCE or e.array.nbytes <= self.round_budget)
+            and (self.coordinator is None or not self.coordinator.paused)
+            and (not board.opened() or max(board.tags()) >> 1 <= self.lists_done)
+        ):
+            cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
+        if cid is not None:
+            sizes = self._posted_by_cid.get(cid)
+            if sizes is None:
+                resp = ss.cache.live[cid]
+                if len(self._posted_by_cid) > 4096:
+                    self._posted_by_cid.clear()
+                sizes = self._posted_by_cid[cid] = tuple(_posted(resp, r) for r in range(self.size))
+            if max(sizes) <= BOARD_DATA:
+                e.cid = cid
+                return True
+        self.drive.release()
+        return False
+
+    def _quick(self, e: Entry, deadline: float) -> None:
+        """A lone small cached op that the calling thread (holding ``drive``) waits for at
+        once: post its data round, wait for the peers' posts until ``deadline`` and compute
+        the result, without the engine's event handling (what ``submit`` and ``run_until``
+        do, less their generality). Anything else arriving meanwhile (a control message, a
+        submission from another thread) or a longer wait leaves the state as the general path
+        would have it, and ``run_until`` (``_drive``) or the engine thread goes on from there.
+        A peer that posted something else makes the round fall back to rank 0 as usual."""
+        t = self.transport
+        board = self.board
+        assert board is not None
+        cid = e.cid
+        assert cid is not None
+        resp = self.sets[0].cache.live[cid]
+        if resp.op != BROADCAST or resp.root == self.rank:
+            parts = [memoryview(e.array.reshape(-1).view(np.uint8))]
+        else:
+            parts = []
+        tag = self.lists_done << 1
+        t.board_post((cid,), parts, tag)  # type: ignore[attr-defined]
+        self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
+        self.round_totals = list(self._posted_by_cid[cid])
+        now = self.clock()
+        self.round_posted_at = now
+        self.round_warn_at = now + self.round_warn_s
+        self.stats["rounds_posted"] += 1
+        self.stats["quick_rounds"] += 1
+        clock = time.perf_counter
+        inbox = self.inbox
+        while not board.due():
+            if (
+                clock() > deadline
+                or not inbox.empty()
+                or not t.ctrl_idle()  # type: ignore[attr-defined]
+                or t.aborted is not None  # type: ignore[attr-defined]
+            ):
+                return
+            if self._yield:
+                os.sched_yield()  # more ranks than cores: let the one we wait for run
+        self._round_step()
+
     def run_until(self, handle: Handle) -> None:
         """Run the engine on the calling thread until ``handle`` completes, as long as there is
         work or for up to the spin time without any; then leave it to the engine thread."""
         if self._stop_now or not self.drive.acquire(blocking=False):
             return
-        t = self.transport
-        t.set_driving(True)  # type: ignore[attr-defined]
+        self._drive(handle)
+
+    def _drive(self, handle: Handle, quick: Entry | None = None) -> None:
+        """``run_until`` with ``drive`` held; ``quick``: first run this entry's data round
+        the quick way (``_quick``)."""
+        self.transport.set_driving(True)  # type: ignore[attr-defined]
         clock = time.perf_counter
         try:
+            deadline = clock() + self.spin_s
+            if quick is not None:
+                self._quick(quick, deadline)
+                if handle.done():
+                    return
             due = self._timeout()
             timer = clock() + due if due is not None else float("inf")
-            deadline = clock() + self.spin_s
             while not handle.done() and not self._stop_now:
                 batch = self._collect()
                 now = clock()
@@ -636,28 +746,33 @@ class Engine:
             )
             raise
         finally:
-            done = handle.done()
-            if done and self.lease_s > 0 and not self._stop_now:
-                # Done: this thread is probably back soon (a loop of synchronous calls). It
-                # keeps the engine for a short lease: "driving" stays published, and the
-                # engine thread leaves new work to it until the lease ends.
-                self._lease_until = time.perf_counter() + self.lease_s
-                _fence()
-                self.drive.release()
-                if self._sleeping:
-                    until = self._sleep_until
-                    if until is None or until > time.monotonic() + 2 * self.lease_s:
-                        # It sleeps past the lease's end and would not take over then.
-                        self._kick()
-                    elif self._busy():
-                        self._kick()
-            else:
-                # Gave up waiting (or stopping): the engine thread takes over at once.
-                self._lease_until = 0.0
-                t.set_driving(False)  # type: ignore[attr-defined]
-                _fence()
-                self.drive.release()
-                self._after_drive(force=not done)
+            self._leave(handle.done())
+
+    def _leave(self, done: bool) -> None:
+        """Release ``drive`` after running the engine on a waiting thread (``done``: its
+        handle completed)."""
+        t = self.transport
+        if done and self.lease_s > 0 and not self._stop_now:
+            # Done: this thread is probably back soon (a loop of synchronous calls). It
+            # keeps the engine for a short lease: "driving" stays published, and the
+            # engine thread leaves new work to it until the lease ends.
+            self._lease_until = time.perf_counter() + self.lease_s
+            _fence()
+            self.drive.release()
+            if self._sleeping:
+                until = self._sleep_until
+                if until is None or until > time.monotonic() + 2 * self.lease_s:
+                    # It sleeps past the lease's end and would not take over then.
+                    self._kick()
+                elif self._busy():
+                    self._kick()
+        else:
+            # Gave up waiting (or stopping): the engine thread takes over at once.
+            self._lease_until = 0.0
+            t.set_driving(False)  # type: ignore[attr-defined]
+            _fence()
+            self.drive.release()
+            self._after_drive(force=not done)
 
     def _after_drive(self, force: bool = False) -> None:
         """The engine thread may be asleep with a deadline set before this thread ran the

@@ -1129,6 +1129,18 @@ class ShmTransport(Transport):
         for peer in self.peers:
             self._wake(peer, ctrl=True)
 
+    def ctrl_idle(self) -> bool:
+        """No control message from a same-host rank to read, none waiting to be sent."""
+        if self._backlog:
+            return False
+        for ring in self._rin.values():
+            if ring.count != ring.wr[0] or ring.acc:
+                return False
+        for ring in self._rout.values():
+            if ring.pending:
+                return False
+        return True
+
     def fast_pending(self) -> bool:
         """Is there anything for ``poll_fast`` to read or send, or a peer round to decide?"""
         if self.board is not None and self.board.due():
