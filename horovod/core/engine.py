@@ -685,8 +685,11 @@ class Engine:
         self.stats["quick_rounds"] += 1
         clock = time.perf_counter
         inbox = self.inbox
-        while not board.due():
-            if (
+        due = board.due
+        polls = 0
+        while not due():
+            polls += 1
+            if polls & 3 == 0 and (  # the board every time, the rest every 4th poll
                 clock() > deadline
                 or not inbox.empty()
                 or not t.ctrl_idle()  # type: ignore[attr-defined]
@@ -695,7 +698,7 @@ class Engine:
                 return
             if self._yield:
                 os.sched_yield()  # more ranks than cores: let the one we wait for run
-        self._round_step()
+        self._close_round()
 
     def run_until(self, handle: Handle) -> None:
         """Run the engine on the calling thread until ``handle`` completes, as long as there is
@@ -1011,25 +1014,7 @@ class Engine:
                 continue
             if not board.due():
                 break
-            posts = board.read()
-            board.open = False
-            items, self.round_items = self.round_items, []
-            if not items:
-                continue
-            cids, self.round_cids = self.round_cids, []
-            how = _decide(items, cids, self.round_tag, posts, self.round_totals)
-            if how == "plane":
-                self._run_plane_round(items)
-                continue
-            if how == "data":
-                self._run_round(items, posts)
-                continue
-            # Some peer posted something else (or nothing): every rank sees the same posts,
-            # so all of them hand their ops to rank 0 as usual.
-            with self.lock:
-                live = [e for e, _ in items if self.table.get(e.key) is e]
-            if live:
-                self._send_requests(live, rounds=False)
+            self._close_round()
         if self.round_items and self.round_warn_s > 0:
             now = self.clock()
             if now >= self.round_warn_at:
@@ -1045,6 +1030,30 @@ class Engine:
                     now - self.round_posted_at,
                     _ranks(board.waiting()),
                 )
+
+    def _close_round(self) -> None:
+        """Every peer has posted this rank's open round: read the posts, decide, and run the
+        ops this rank posted (or hand them to rank 0)."""
+        board = self.board
+        assert board is not None
+        posts = board.read()
+        board.open = False
+        items, self.round_items = self.round_items, []
+        if not items:
+            return
+        cids, self.round_cids = self.round_cids, []
+        how = _decide(items, cids, self.round_tag, posts, self.round_totals)
+        if how == "plane":
+            self._run_plane_round(items)
+        elif how == "data":
+            self._run_round(items, posts)
+        else:
+            # Some peer posted something else (or nothing): every rank sees the same posts,
+            # so all of them hand their ops to rank 0 as usual.
+            with self.lock:
+                live = [e for e, _ in items if self.table.get(e.key) is e]
+            if live:
+                self._send_requests(live, rounds=False)
 
     def _run_plane_round(self, items: list[tuple[Entry, Response]]) -> None:
         """Every rank posted these cached ops at the same place: each runs them on the data
