@@ -781,6 +781,38 @@ def test_no_quick_round_while_another_op_is_in_flight_on_the_rank():
         _stop_all(engines)
 
 
+def test_a_failure_while_checking_for_the_quick_way_leaves_the_engine_free():
+    """``_alone`` takes the engine's ``drive`` lock before its last checks: if one of them
+    raises, the lock is released again (a held lock would hang every later wait), the call
+    fails with the error, and the next synchronous calls work."""
+    engines = _shm_engines(2)
+    try:
+        for step in range(3):
+            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
+            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        t = engines[1].transport
+
+        def broken():
+            raise RuntimeError("ctrl_idle broke")
+
+        t.ctrl_idle = broken
+        with pytest.raises(RuntimeError, match="ctrl_idle broke"):
+            _submit_op(engines[1], ALLREDUCE, "w", np.full(2, 1, np.int64), wake=False)
+        assert engines[1].drive.acquire(blocking=False)
+        engines[1].drive.release()
+        del t.ctrl_idle
+        got: list = []
+        th = threading.Thread(
+            target=lambda: got.append(_waited(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64)))
+        )
+        th.start()
+        assert (_waited(engines[1], ALLREDUCE, "w", np.full(2, 5, np.int64)) == 9).all()
+        th.join(10)
+        assert got and (got[0] == 9).all()
+    finally:
+        _stop_all(engines)
+
+
 def test_synchronous_ops_from_several_threads_of_each_rank_are_exact():
     """Two application threads per rank make synchronous calls on their own names at the same
     time: whichever takes the quick way, the others queue behind it, the ranks' rounds often

@@ -628,31 +628,37 @@ class Engine:
             return False
         if not self.drive.acquire(blocking=False):
             return False
-        board = self.board
-        ss = self.sets[0]
-        cid = None
-        if (
-            not self.round_items
-            and not board.open
-            and not self.held
-            and self.inbox.empty()
-            and self.transport.ctrl_idle()  # type: ignore[attr-defined]
-            and ss.cache.enabled
-            and (op != ALLREDUCE or e.array.nbytes <= self.round_budget)
-            and (self.coordinator is None or not self.coordinator.paused)
-            and (not board.opened() or max(board.tags()) >> 1 <= self.lists_done)
-        ):
-            cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
-        if cid is not None:
-            sizes = self._posted_by_cid.get(cid)
-            if sizes is None:
-                resp = ss.cache.live[cid]
-                if len(self._posted_by_cid) > 4096:
-                    self._posted_by_cid.clear()
-                sizes = self._posted_by_cid[cid] = tuple(_posted(resp, r) for r in range(self.size))
-            if max(sizes) <= BOARD_DATA:
-                e.cid = cid
-                return True
+        try:
+            board = self.board
+            ss = self.sets[0]
+            cid = None
+            if (
+                not self.round_items
+                and not board.open
+                and not self.held
+                and self.inbox.empty()
+                and self.transport.ctrl_idle()  # type: ignore[attr-defined]
+                and ss.cache.enabled
+                and (op != ALLREDUCE or e.array.nbytes <= self.round_budget)
+                and (self.coordinator is None or not self.coordinator.paused)
+                and (not board.opened() or max(board.tags()) >> 1 <= self.lists_done)
+            ):
+                cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
+            if cid is not None:
+                sizes = self._posted_by_cid.get(cid)
+                if sizes is None:
+                    resp = ss.cache.live[cid]
+                    if len(self._posted_by_cid) > 4096:
+                        self._posted_by_cid.clear()
+                    sizes = self._posted_by_cid[cid] = tuple(
+                        _posted(resp, r) for r in range(self.size)
+                    )
+                if max(sizes) <= BOARD_DATA:
+                    e.cid = cid
+                    return True
+        except BaseException:
+            self.drive.release()
+            raise
         self.drive.release()
         return False
 
