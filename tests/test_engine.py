@@ -547,10 +547,21 @@ def _submit(eng, name: str, x: np.ndarray):
     return h
 
 
-def _race(rank, n: int, engines, errors: list, timeout: float) -> None:
-    """Run ``rank(r)`` for every rank on its own thread; fail on a hang (aborting the engines,
-    so the threads end) or on anything a rank recorded in ``errors``."""
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+def _race(body, engines, timeout: float, calls=None) -> None:
+    """Run ``body(r, engines[r])`` for every rank (or ``body(*args)`` for every tuple in
+    ``calls``) on its own thread; fail on a hang (aborting the engines, so the threads end)
+    or on anything a call raised."""
+    errors: list[str] = []
+
+    def run(*args):
+        try:
+            body(*args)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    if calls is None:
+        calls = [(r, e) for r, e in enumerate(engines)]
+    threads = [threading.Thread(target=run, args=args) for args in calls]
     for t in threads:
         t.start()
     for t in threads:
@@ -611,22 +622,17 @@ def test_peer_rounds_run_every_rank_alike_and_fall_back_when_posts_differ():
         if off_on is not None:
             engines[off_on].peer_rounds = False
         try:
-            errors: list = []
 
-            def rank(r, engines=engines, errors=errors):
-                eng = engines[r]
-                try:
-                    for step in range(30):
-                        names = ["a", "b"] if (r + step) % 2 else ["b", "a"]
-                        hs = {n: _submit(eng, n, np.full(2, r + step, np.int64)) for n in names}
-                        for n, h in hs.items():
-                            assert (h.wait()[0] == 3 + 3 * step).all(), (r, step, n)
-                        out = _submit(eng, "c", np.full(2, r * step, np.float64)).wait()[0]
-                        assert (out == 3 * step).all(), (r, step)
-                except Exception as exc:  # noqa: BLE001 - reported below
-                    errors.append(repr(exc))
+            def rank(r, eng):
+                for step in range(30):
+                    names = ["a", "b"] if (r + step) % 2 else ["b", "a"]
+                    hs = {n: _submit(eng, n, np.full(2, r + step, np.int64)) for n in names}
+                    for n, h in hs.items():
+                        assert (h.wait()[0] == 3 + 3 * step).all(), (r, step, n)
+                    out = _submit(eng, "c", np.full(2, r * step, np.float64)).wait()[0]
+                    assert (out == 3 * step).all(), (r, step)
 
-            _race(rank, 3, engines, errors, 60)
+            _race(rank, engines, 60)
             posted = [e.stats["rounds_posted"] for e in engines]
             run = [e.stats["rounds_run"] for e in engines]
             if off_on is None:
@@ -666,23 +672,18 @@ def test_lone_waited_ops_run_their_round_on_the_calling_thread(n):
     and every result is exact."""
     engines = _shm_engines(n)
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
-            try:
-                for step in range(40):
-                    out = _waited(eng, ALLREDUCE, "s", np.full(3, r + step, np.int64))
-                    assert (out == n * step + n * (n - 1) // 2).all(), (r, step, out)
-                    g = _waited(eng, ALLGATHER, "g", np.full((r + 1, 2), r * step, np.float32))
-                    want = np.concatenate([np.full((q + 1, 2), q * step) for q in range(n)])
-                    assert g.shape == want.shape and (g == want).all(), (r, step, g)
-                    b = _waited(eng, BROADCAST, "b", np.full(5, r + 10 * step, np.int32), 1)
-                    assert (b == 1 + 10 * step).all(), (r, step, b)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def rank(r, eng):
+            for step in range(40):
+                out = _waited(eng, ALLREDUCE, "s", np.full(3, r + step, np.int64))
+                assert (out == n * step + n * (n - 1) // 2).all(), (r, step, out)
+                g = _waited(eng, ALLGATHER, "g", np.full((r + 1, 2), r * step, np.float32))
+                want = np.concatenate([np.full((q + 1, 2), q * step) for q in range(n)])
+                assert g.shape == want.shape and (g == want).all(), (r, step, g)
+                b = _waited(eng, BROADCAST, "b", np.full(5, r + 10 * step, np.int32), 1)
+                assert (b == 1 + 10 * step).all(), (r, step, b)
 
-        _race(rank, n, engines, errors, 60)
+        _race(rank, engines, 60)
         for e in engines:
             # The first call of each op negotiates at rank 0; nearly all others go quick (a
             # rank that finds its engine thread busy for a moment takes the general way).
@@ -699,26 +700,21 @@ def test_a_quick_round_that_the_peers_answer_differently_goes_through_rank_0():
     rank 0 and every result is exact. Rank 1 never runs a quick round."""
     engines = _shm_engines(2)
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
-            try:
-                for step in range(30):
-                    if r == 0:
-                        a = _waited(eng, ALLREDUCE, "a", np.full(2, step, np.float64))
-                        b = _waited(eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
-                    else:
-                        # In the other order: rank 1 posts a round for "b" (or "b" and "a")
-                        # that rank 0's round for "a" disagrees with.
-                        hb = _submit_op(eng, ALLREDUCE, "b", np.full(2, 2.0, np.float64))
-                        ha = _submit_op(eng, ALLREDUCE, "a", np.full(2, 1.0, np.float64))
-                        a, b = ha.wait()[0], hb.wait()[0]
-                    assert (a == step + 1).all() and (b == 2 * step + 2).all(), (r, step, a, b)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def rank(r, eng):
+            for step in range(30):
+                if r == 0:
+                    a = _waited(eng, ALLREDUCE, "a", np.full(2, step, np.float64))
+                    b = _waited(eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
+                else:
+                    # In the other order: rank 1 posts a round for "b" (or "b" and "a")
+                    # that rank 0's round for "a" disagrees with.
+                    hb = _submit_op(eng, ALLREDUCE, "b", np.full(2, 2.0, np.float64))
+                    ha = _submit_op(eng, ALLREDUCE, "a", np.full(2, 1.0, np.float64))
+                    a, b = ha.wait()[0], hb.wait()[0]
+                assert (a == step + 1).all() and (b == 2 * step + 2).all(), (r, step, a, b)
 
-        _race(rank, 2, engines, errors, 60)
+        _race(rank, engines, 60)
         assert engines[0].stats["quick_rounds"] >= 20, engines[0].stats
         assert engines[1].stats["quick_rounds"] == 0, engines[1].stats
         assert engines[0].stats["rounds_run"] <= 2, engines[0].stats  # fallbacks, not rounds
@@ -732,20 +728,15 @@ def test_a_quick_round_whose_peer_posts_late_is_finished_by_the_general_path():
     finishes it once rank 1 posts. The rounds still run (no fallback), results are exact."""
     engines = _shm_engines(2)
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
-            try:
-                for step in range(12):
-                    if r == 1:
-                        time.sleep(0.02)
-                    out = _waited(eng, ALLREDUCE, "late", np.full(4, r + step, np.float32))
-                    assert (out == 2 * step + 1).all(), (r, step, out)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def rank(r, eng):
+            for step in range(12):
+                if r == 1:
+                    time.sleep(0.02)
+                out = _waited(eng, ALLREDUCE, "late", np.full(4, r + step, np.float32))
+                assert (out == 2 * step + 1).all(), (r, step, out)
 
-        _race(rank, 2, engines, errors, 60)
+        _race(rank, engines, 60)
         for e in engines:
             assert e.stats["quick_rounds"] >= 10, e.stats
             assert e.stats["rounds_run"] >= 10, e.stats
@@ -819,25 +810,14 @@ def test_synchronous_ops_from_several_threads_of_each_rank_are_exact():
     disagree (fall back to rank 0), and nothing hangs or mixes up results."""
     engines = _shm_engines(2)
     try:
-        errors: list = []
 
-        def worker(r, k, eng, errors):
-            try:
-                for step in range(40):
-                    x = np.full(3, 100 * k + r + step, np.int64)
-                    out = _waited(eng, ALLREDUCE, f"t{k}", x)
-                    assert (out == 200 * k + 1 + 2 * step).all(), (r, k, step, out)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def worker(r, k, eng):
+            for step in range(40):
+                x = np.full(3, 100 * k + r + step, np.int64)
+                out = _waited(eng, ALLREDUCE, f"t{k}", x)
+                assert (out == 200 * k + 1 + 2 * step).all(), (r, k, step, out)
 
-        def rank(r, engines=engines, errors=errors):
-            ts = [threading.Thread(target=worker, args=(r, k, engines[r], errors)) for k in (0, 1)]
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join(50)
-
-        _race(rank, 2, engines, errors, 60)
+        _race(worker, engines, 60, [(r, k, engines[r]) for r in (0, 1) for k in (0, 1)])
         assert sum(e.stats["quick_rounds"] for e in engines) > 0
     finally:
         _stop_all(engines)
@@ -849,28 +829,23 @@ def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():
     the round completes on its own, whatever the lists do meanwhile. Every result is checked."""
     engines = _shm_engines(2)
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
-            try:
-                for step in range(60):
-                    hs = _submit_op(eng, ALLREDUCE, "s", np.full(4, r + step, np.float64))
-                    time.sleep(0.002)  # posted by now, most of the time
-                    hg = _submit_op(eng, ALLGATHER, "g", np.full((2, 3), r + step, np.int32))
-                    hz = _submit_op(eng, ALLREDUCE, "z", np.full(50_000, r + step, np.float32))
-                    hb = _submit_op(eng, BROADCAST, "b", np.full(4, r * 10 + step, np.int64), 1)
-                    assert (hs.wait()[0] == 2 * step + 1).all()
-                    g = hg.wait()[0]
-                    assert g.shape == (4, 3) and (g[:2] == step).all() and (g[2:] == step + 1).all()
-                    assert (hz.wait()[0] == 2 * step + 1).all()
-                    assert (hb.wait()[0] == 10 + step).all()
-                    b = _submit_op(eng, BROADCAST, "lone", np.full(8, r + step, np.int64), 0)
-                    assert (b.wait()[0] == step).all()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def rank(r, eng):
+            for step in range(60):
+                hs = _submit_op(eng, ALLREDUCE, "s", np.full(4, r + step, np.float64))
+                time.sleep(0.002)  # posted by now, most of the time
+                hg = _submit_op(eng, ALLGATHER, "g", np.full((2, 3), r + step, np.int32))
+                hz = _submit_op(eng, ALLREDUCE, "z", np.full(50_000, r + step, np.float32))
+                hb = _submit_op(eng, BROADCAST, "b", np.full(4, r * 10 + step, np.int64), 1)
+                assert (hs.wait()[0] == 2 * step + 1).all()
+                g = hg.wait()[0]
+                assert g.shape == (4, 3) and (g[:2] == step).all() and (g[2:] == step + 1).all()
+                assert (hz.wait()[0] == 2 * step + 1).all()
+                assert (hb.wait()[0] == 10 + step).all()
+                b = _submit_op(eng, BROADCAST, "lone", np.full(8, r + step, np.int64), 0)
+                assert (b.wait()[0] == step).all()
 
-        _race(rank, 2, engines, errors, 60)
+        _race(rank, engines, 60)
         assert all(e.stats["rounds_run"] >= 10 for e in engines), [e.stats for e in engines]
     finally:
         _stop_all(engines)
@@ -918,32 +893,23 @@ def test_plane_rounds_interleave_with_lists_of_a_process_set_without_the_poster(
     executing. Nobody may wait on a rank that holds, and every result is exact."""
     engines = _shm_engines(3, process_sets=[[1, 2]])
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
-            try:
-                for step in range(40):
-                    g = _submit_op(eng, ALLREDUCE, "g", np.full(30_000, r + step, np.float64))
-                    if r:
-                        p = _submit_op(
-                            eng, ALLREDUCE, f"p{step % 3}", np.full(9, r, np.int64), ps_id=1
-                        )
-                        assert (p.wait()[0] == 3).all()
-                    assert (g.wait()[0] == 3 + 3 * step).all(), (r, step)
-                    b = _submit_op(eng, BROADCAST, "b", np.full(300_000, r + step, np.int32), 2)
-                    if r == 0:
-                        time.sleep(0.001)
-                    assert (b.wait()[0] == 2 + step).all(), (r, step)
-                    if r:
-                        q = _submit_op(
-                            eng, ALLGATHER, "q", np.full((r, 2), step, np.int32), ps_id=1
-                        )
-                        assert q.wait()[0].shape == (3, 2)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def rank(r, eng):
+            for step in range(40):
+                g = _submit_op(eng, ALLREDUCE, "g", np.full(30_000, r + step, np.float64))
+                if r:
+                    p = _submit_op(eng, ALLREDUCE, f"p{step % 3}", np.full(9, r, np.int64), ps_id=1)
+                    assert (p.wait()[0] == 3).all()
+                assert (g.wait()[0] == 3 + 3 * step).all(), (r, step)
+                b = _submit_op(eng, BROADCAST, "b", np.full(300_000, r + step, np.int32), 2)
+                if r == 0:
+                    time.sleep(0.001)
+                assert (b.wait()[0] == 2 + step).all(), (r, step)
+                if r:
+                    q = _submit_op(eng, ALLGATHER, "q", np.full((r, 2), step, np.int32), ps_id=1)
+                    assert q.wait()[0].shape == (3, 2)
 
-        _race(rank, 3, engines, errors, 90)
+        _race(rank, engines, 90)
         assert all(e.stats["rounds_run"] >= 20 for e in engines), [e.stats for e in engines]
     finally:
         _stop_all(engines)
@@ -957,25 +923,20 @@ def test_ops_submitted_after_a_plane_post_run_after_the_round_on_every_rank():
     would read each other's bytes for the wrong op."""
     engines = _shm_engines(3, process_sets=[[1, 2]])
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
+        def rank(r, eng):
             rng = np.random.default_rng(r)
-            try:
-                for step in range(80):
-                    if r == 0:
-                        time.sleep(rng.random() * 0.003)
-                    g = _submit_op(eng, ALLREDUCE, "g", np.full(40_000, r + step, np.float32))
-                    if r:
-                        y = np.full(60_000, 100 * r, np.float32)
-                        y = _submit_op(eng, ALLREDUCE, "y", y, ps_id=1)
-                        assert (y.wait()[0] == 300).all(), (r, step, "y")
-                    assert (g.wait()[0] == 3 + 3 * step).all(), (r, step, "g")
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+            for step in range(80):
+                if r == 0:
+                    time.sleep(rng.random() * 0.003)
+                g = _submit_op(eng, ALLREDUCE, "g", np.full(40_000, r + step, np.float32))
+                if r:
+                    y = np.full(60_000, 100 * r, np.float32)
+                    y = _submit_op(eng, ALLREDUCE, "y", y, ps_id=1)
+                    assert (y.wait()[0] == 300).all(), (r, step, "y")
+                assert (g.wait()[0] == 3 + 3 * step).all(), (r, step, "g")
 
-        _race(rank, 3, engines, errors, 60)
+        _race(rank, engines, 60)
         # Rank 0 runs the set's lists while ranks 1 and 2 hold them: their posts name
         # different list counts, and such rounds fall back (the results above are exact).
         assert all(e.stats["rounds_posted"] >= 10 for e in engines), [e.stats for e in engines]
@@ -992,28 +953,23 @@ def test_a_plane_round_posted_after_a_list_the_peer_has_not_run_falls_back():
     broadcast's bytes as the round's."""
     engines = _shm_engines(2)
     try:
-        errors: list = []
 
-        def rank(r, engines=engines, errors=errors):
-            eng = engines[r]
-            try:
-                for step in range(30):
-                    g_in = np.full(40_000, r + step, np.float32)
-                    b_in = np.full(3000, step if r == 0 else -1, np.int64)
-                    if r == 0:
-                        b = _submit_op(eng, BROADCAST, f"b{step}", b_in, 0)
-                        assert (b.wait()[0] == step).all(), (r, step, "b")
-                        g = _submit_op(eng, ALLREDUCE, "g", g_in)
-                    else:
-                        g = _submit_op(eng, ALLREDUCE, "g", g_in)
-                        time.sleep(0.002)  # posted by now
-                        b = _submit_op(eng, BROADCAST, f"b{step}", b_in, 0)
-                        assert (b.wait()[0] == step).all(), (r, step, "b")
-                    assert (g.wait()[0] == 1 + 2 * step).all(), (r, step, "g")
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
+        def rank(r, eng):
+            for step in range(30):
+                g_in = np.full(40_000, r + step, np.float32)
+                b_in = np.full(3000, step if r == 0 else -1, np.int64)
+                if r == 0:
+                    b = _submit_op(eng, BROADCAST, f"b{step}", b_in, 0)
+                    assert (b.wait()[0] == step).all(), (r, step, "b")
+                    g = _submit_op(eng, ALLREDUCE, "g", g_in)
+                else:
+                    g = _submit_op(eng, ALLREDUCE, "g", g_in)
+                    time.sleep(0.002)  # posted by now
+                    b = _submit_op(eng, BROADCAST, f"b{step}", b_in, 0)
+                    assert (b.wait()[0] == step).all(), (r, step, "b")
+                assert (g.wait()[0] == 1 + 2 * step).all(), (r, step, "g")
 
-        _race(rank, 2, engines, errors, 60)
+        _race(rank, engines, 60)
         posted = [e.stats["rounds_posted"] for e in engines]
         assert posted[0] >= 20 and posted[1] >= 20, [e.stats for e in engines]
     finally:
