@@ -645,14 +645,7 @@ class Engine:
             ):
                 cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
             if cid is not None:
-                sizes = self._posted_by_cid.get(cid)
-                if sizes is None:
-                    resp = ss.cache.live[cid]
-                    if len(self._posted_by_cid) > 4096:
-                        self._posted_by_cid.clear()
-                    sizes = self._posted_by_cid[cid] = tuple(
-                        _posted(resp, r) for r in range(self.size)
-                    )
+                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, ss.cache.live[cid])
                 if max(sizes) <= BOARD_DATA:
                     e.cid = cid
                     return True
@@ -661,6 +654,14 @@ class Engine:
             raise
         self.drive.release()
         return False
+
+    def _posted_sizes(self, cid: int, resp: Response) -> tuple[int, ...]:
+        """Bytes each rank posts for cached op ``cid`` in a data round (memoized)."""
+        memo = self._posted_by_cid
+        if len(memo) > 4096:
+            memo.clear()
+        sizes = memo[cid] = tuple(_posted(resp, r) for r in range(self.size))
+        return sizes
 
     def _quick(self, e: Entry, deadline: float) -> None:
         """A lone small cached op that the calling thread (holding ``drive``) waits for at
@@ -957,11 +958,7 @@ class Engine:
                 else:
                     data = req.op == ALLGATHER or req.op == BROADCAST
                 if data:
-                    sizes = memo.get(cid)
-                    if sizes is None:
-                        if len(memo) > 4096:
-                            memo.clear()
-                        sizes = memo[cid] = tuple(_posted(resp, r) for r in range(self.size))
+                    sizes = memo.get(cid) or self._posted_sizes(cid, resp)
                     room -= max(sizes)
                     data = room >= 0
                     for r in range(self.size):
