@@ -985,18 +985,20 @@ def test_round_decisions_need_the_same_ops_kind_bytes_and_list_count():
     items = [(None, ag), (None, bc)]
     mem = memoryview(bytes(100))
     # Data rounds: rank 1 posts its 3 rows of 5 float32s and, as root, the 4 broadcast ones.
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76])]) == "data"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 2 << 1, [4, 5], mem[:76])]) == "data"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:60])]) == "fallback"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [5, 4], mem[:76])]) == "fallback"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [], mem[:0])]) == "fallback"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1 | 1, [4, 5], mem[:0])]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "data"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 2 << 1, [4, 5], mem[:76], -1)]) == "data"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:60], -1)]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [5, 4], mem[:76], -1)]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [], mem[:0], -1)]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
     # With the bytes per rank the poster already knows (rank 0: 2 rows, no broadcast part).
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76])], [40, 76]) == "data"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:40])], [40, 76]) == "fallback"
+    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76], -1)], [40, 76]) == "data"
+    assert (
+        _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:40], -1)], [40, 76]) == "fallback"
+    )
     # Plane rounds: same ids after the same number of response lists.
     tag = 6 << 1 | 1
-    assert _decide(items, [4, 5], tag, [(1, tag, [4, 5], mem[:0])]) == "plane"
-    assert _decide(items, [4, 5], tag, [(1, 7 << 1 | 1, [4, 5], mem[:0])]) == "fallback"
-    assert _decide(items, [4, 5], tag, [(1, 6 << 1, [4, 5], mem[:76])]) == "fallback"
-    assert _decide(items, [4, 5], tag, [(1, tag, [4], mem[:0])]) == "fallback"
+    assert _decide(items, [4, 5], tag, [(1, tag, [4, 5], mem[:0], -1)]) == "plane"
+    assert _decide(items, [4, 5], tag, [(1, 7 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
+    assert _decide(items, [4, 5], tag, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "fallback"
+    assert _decide(items, [4, 5], tag, [(1, tag, [4], mem[:0], -1)]) == "fallback"

@@ -411,3 +411,82 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_):
         else:
             assert rounds == [0] * np_, found
     assert digests["rounds"] == digests["rank 0"]
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_allgather_results_in_output_slots_stay_exact_while_held_and_changed(np_):
+    """A lone allgather of 128 KiB or more per rank builds its result in an output slot of
+    the rank (shared memory) from which the peers read that rank's block, one copy less than
+    through the round's post. Held results keep their slots (later calls fall back to the
+    post, or take the other slot); a rank that changes its result at once does not change
+    what the peers read (it returns only once they have read it, here delayed on purpose);
+    ranks with the slots off (``HOROVOD_OUTPUT_POOL_BYTES=0``, or one rank alone) interoperate."""
+    script = """
+        import time, numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        eng = current().engine
+        t = eng.transport
+        W = 40_000  # float32 columns: 160 kB per row, rank q gathers q + 1 rows
+        def mine(v):
+            return np.full((r + 1, W), v + r, np.float32)
+        def expect(v):
+            return np.concatenate([np.full((q + 1, W), v + q, np.float32) for q in range(n)])
+        def slotted(a):
+            return any(a.base is o for o in t.out_owners)
+        held = []
+        for step in range(6):
+            out = hvd.allgather(mine(10 * step), name="ag")
+            assert np.array_equal(out, expect(10 * step)), step
+            held.append((step, out, slotted(out)))
+        for step, out, _ in held:  # no later call overwrote a held result
+            assert np.array_equal(out, expect(10 * step)), ("held", step)
+        in_slots = sum(s for _, _, s in held)
+        held.clear()
+        # Rank 0 overwrites its result at once; the peers read its block late on purpose.
+        if r != 0:
+            peer_out = t.peer_out
+            def late(peer, k):
+                time.sleep(0.05)
+                return peer_out(peer, k)
+            t.peer_out = late
+        for step in range(3):
+            out = hvd.allgather(mine(100 + step), name="ag")
+            ok = np.array_equal(out, expect(100 + step))
+            out[:] = -1
+            assert ok, ("late readers", step)
+            del out
+        if r != 0:
+            t.peer_out = peer_out
+        # Rank 1 stops using its slots; the others go on using theirs.
+        if r == 1:
+            t.outputs = False
+        for step in range(3):
+            out = hvd.allgather(mine(200 + step), name="ag")
+            assert np.array_equal(out, expect(200 + step)), ("mixed", step)
+            assert r != 1 or not slotted(out)
+            del out
+        print("slots", r, in_slots, eng.stats["slot_outputs"], flush=True)
+        # A result outlives the job's shared memory: the mapping stays while it is viewed.
+        kept = [hvd.allgather(mine(300 + i), name="ag") for i in range(3)]
+        was = any(slotted(k) for k in kept)
+        hvd.shutdown()
+        for i, k in enumerate(kept):
+            assert np.array_equal(k, expect(300 + i))
+            k += 1
+        print("kept", r, was, flush=True)
+    """
+    for env, on in [({}, True), ({"HOROVOD_OUTPUT_POOL_BYTES": "0"}, False)]:
+        out = run_script(script, np_=np_, env=env, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        found = re.findall(r"slots (\d) (\d+) (\d+)", out.stdout)
+        assert len(found) == np_, out.stdout
+        kept = re.findall(r"kept \d (True|False)", out.stdout)
+        assert len(kept) == np_ and ("True" in kept) == on, out.stdout
+        for _rank, held_in_slots, total in found:
+            if on:
+                # Steps 1-5 are rounds: the first two held results fill both slots.
+                assert 1 <= int(held_in_slots) <= 2 and int(total) >= 4, found
+            else:
+                assert int(held_in_slots) == 0 and int(total) == 0, found

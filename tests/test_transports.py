@@ -680,8 +680,8 @@ def test_peer_round_board_posts_are_read_by_every_rank_once_all_posted():
         assert not b[2].deferred
         assert all(x.due() for x in b)
         got = [x.read() for x in b]
-        assert got[0] == [(1, 5, [7, 9], memoryview(b"xyz12")), (2, 0, [], memoryview(b""))]
-        assert got[1] == [(0, 0, [7, 9], memoryview(b"abcde")), (2, 0, [], memoryview(b""))]
+        assert got[0] == [(1, 5, [7, 9], memoryview(b"xyz12"), -1), (2, 0, [], memoryview(b""), -1)]
+        assert got[1] == [(0, 0, [7, 9], memoryview(b"abcde"), -1), (2, 0, [], memoryview(b""), -1)]
         for x in b:
             x.open = False
         assert not any(x.due() for x in b)
@@ -691,7 +691,73 @@ def test_peer_round_board_posts_are_read_by_every_rank_once_all_posted():
         assert b[0].due() and b[2].due() and not b[1].due()
         ts[0].board_post([1], [memoryview(b"s2")])
         ts[2].board_post([1], [memoryview(b"t2")])
-        assert [(r, bytes(d)) for r, _, _, d in b[2].read()] == [(0, b"s2"), (1, b"r2")]
+        assert [(r, bytes(d)) for r, _, _, d, _ in b[2].read()] == [(0, b"s2"), (1, b"r2")]
+    finally:
+        _close(ts)
+
+
+def test_output_slots_are_free_while_no_result_views_them_and_read_once_acked():
+    """Allgather results may live in a rank's output slots, where its peers read its block:
+    a slot is handed out again only once no view of it is alive, a post names its slot, and
+    the owner waits (asleep, woken by the ack) until every peer has read it."""
+    from horovod.transport.shm import OUT_BYTES, OUT_SLOTS
+
+    ts = _make("shm", 3, spin_us=0.0)
+    try:
+        t0 = ts[0]
+        assert OUT_SLOTS == 2 and t0.outputs
+        assert t0.out_slot(OUT_BYTES + 1) == -1  # too large for a slot
+        k = t0.out_slot(1000)
+        assert k == 0
+        view = t0.out_owners[k][:1000].view(np.float32).reshape(25, 10)
+        assert t0.out_slot(1000) == 1  # slot 0 is viewed by a result
+        held = t0.out_owners[1][8:16]
+        assert t0.out_slot(1000) == -1  # both are
+        del view
+        assert t0.out_slot(1000) == 0
+        del held
+        assert t0.out_slot(1000) == 0
+        # Rank 0 posts with its block in slot 1; the others read it there.
+        t0.out_owners[1][:4] = np.frombuffer(b"blk0", np.uint8)
+        t0.board_post([3], [], out=1)
+        ts[1].board_post([3], [memoryview(b"r1")])
+        ts[2].board_post([3], [], out=0)
+        b = [t.board for t in ts]
+        assert all(x.due() for x in b)
+        assert [(r, bytes(d), o) for r, _, _, d, o in b[1].read()] == [(0, b"", 1), (2, b"", 0)]
+        assert bytes(ts[1].peer_out(0, 1)[:4]) == b"blk0"
+        assert b[0].unacked() == [1, 2] and not b[0].all_acked()
+        woke = threading.Event()
+
+        def owner():
+            t0.board_wait_acked()
+            woke.set()
+
+        th = threading.Thread(target=owner)
+        th.start()
+        time.sleep(0.1)  # asleep by now (no spin)
+        ts[1].board_ack([0, 2])
+        assert not woke.wait(0.2), "rank 2 has not read rank 0's block yet"
+        assert b[0].unacked() == [2]
+        ts[2].board_ack([0])
+        assert woke.wait(2), "the last ack did not wake the owner"
+        th.join(5)
+        assert b[0].all_acked() and b[2].unacked() == [0]  # rank 0 has read nobody's slot
+        # An abort ends a wait for acks that will not come.
+        errs: list[BaseException] = []
+
+        def waits():
+            try:
+                ts[2].board_wait_acked()
+            except BaseException as e:
+                errs.append(e)
+
+        th = threading.Thread(target=waits)
+        th.start()
+        time.sleep(0.1)
+        ts[2].abort("test abort")
+        th.join(5)
+        assert not th.is_alive() and len(errs) == 1 and isinstance(errs[0], TransportError)
     finally:
         _close(ts)
 

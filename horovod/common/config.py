@@ -224,7 +224,9 @@ class Config:
         "HOROVOD_OUTPUT_POOL_BYTES",
         256 * 1024 * 1024,
         "NumPy API: outputs of 1 MiB and more are reused from a pool of at most this many bytes "
-        "once no view of them is alive (saves the page faults of fresh memory); 0 disables it.",
+        "once no view of them is alive (saves the page faults of fresh memory), and results of "
+        "allgathers of 128 KiB to 1 MiB per rank between ranks of one host may live in shared "
+        "memory (saves a copy); 0 disables both.",
         minimum=0,
     )
     eager_allreduce_bytes: int = _knob(

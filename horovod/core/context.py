@@ -467,6 +467,7 @@ class Context:
             spin_us=cfg.spin_microseconds,
             timeout=cfg.timeout_seconds,
             single_copy=cfg.shm_single_copy_bytes,
+            outputs=cfg.output_pool_bytes > 0 and pool._refcounts_are_exact(),
         )
 
     @staticmethod

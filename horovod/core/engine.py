@@ -75,7 +75,7 @@ from horovod.core.messages import (
 )
 from horovod.core.timeline import Timeline
 from horovod.transport.base import SubTransport, Transport
-from horovod.transport.shm import BOARD_DATA, BOARD_IDS, _fence
+from horovod.transport.shm import BOARD_DATA, BOARD_IDS, OUT_MIN, _fence
 
 DUPLICATE_NAME = (
     "{what} is already in flight on this rank under the name '{name}'; a name may be used by only "
@@ -275,6 +275,7 @@ class Engine:
             "rounds_posted": 0,  # peer rounds this rank posted ops to
             "rounds_run": 0,  # ... that every rank posted the same to (run without rank 0)
             "quick_rounds": 0,  # ... posted by a waiting thread for a lone op (``_quick``)
+            "slot_outputs": 0,  # allgather results built in this rank's output slots
         }
         self._register(0, range(size))
         for i, ranks in enumerate(process_sets, start=1):
@@ -327,6 +328,7 @@ class Engine:
         self.round_cids: list[int] = []
         self.round_tag = 0
         self.round_totals: list[int] = []  # bytes each rank posts in this rank's data round
+        self.round_out = -1  # the output slot that holds this rank's block of its round, if any
         # Bytes each rank posts for a cached op in a data round, by cache id (ids are never
         # reused, so entries never go stale; cleared now and then to bound the memory).
         self._posted_by_cid: dict[int, tuple[int, ...]] = {}
@@ -677,13 +679,15 @@ class Engine:
         cid = e.cid
         assert cid is not None
         resp = self.sets[0].cache.live[cid]
-        if resp.op != BROADCAST or resp.root == self.rank:
-            parts = [memoryview(e.array.reshape(-1).view(np.uint8))]
-        else:
+        out = self._out_post(e, resp, cid) if resp.op == ALLGATHER else -1
+        if out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
             parts = []
+        else:
+            parts = [memoryview(e.array.reshape(-1).view(np.uint8))]
         tag = self.lists_done << 1
-        t.board_post((cid,), parts, tag)  # type: ignore[attr-defined]
+        t.board_post((cid,), parts, tag, out)  # type: ignore[attr-defined]
         self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
+        self.round_out = out
         self.round_totals = list(self._posted_by_cid[cid])
         now = self.clock()
         self.round_posted_at = now
@@ -965,24 +969,47 @@ class Engine:
                         totals[r] += sizes[r]
             cids.append(cid)
             items.append((e, resp))
+        out = -1
         if data:
             me = self.rank
+            if len(items) == 1 and items[0][1].op == ALLGATHER:
+                out = self._out_post(items[0][0], items[0][1], cids[0])
             parts = [
                 memoryview(e.array.reshape(-1).view(np.uint8))
                 for e, resp in items
-                if resp.op != BROADCAST or resp.root == me
+                if (resp.op != BROADCAST or resp.root == me) and out < 0
             ]
             tag = self.lists_done << 1
         else:
             parts = []
             tag = self.lists_done << 1 | 1
-        self.transport.board_post(cids, parts, tag)  # type: ignore[attr-defined]
+        self.transport.board_post(cids, parts, tag, out)  # type: ignore[attr-defined]
         self.round_items, self.round_cids, self.round_tag = items, cids, tag
+        self.round_out = out
         self.round_totals = totals
         self.round_posted_at = self.clock()
         self.round_warn_at = self.round_posted_at + self.round_warn_s
         self.stats["rounds_posted"] += 1
         return True
+
+    def _out_post(self, e: Entry, resp: Response, cid: int) -> int:
+        """An allgather alone in its data round whose result can live in an output slot of
+        this rank (shared memory): copy this rank's block to its place there, where the peers
+        read it from, and return the slot (else -1: the block goes into the post)."""
+        t = self.transport
+        if e.alloc is not _np_alloc or not getattr(t, "outputs", False):
+            return -1
+        sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
+        me = self.rank
+        nb = sizes[me]
+        if nb < OUT_MIN:
+            return -1
+        k: int = t.out_slot(sum(sizes))  # type: ignore[attr-defined]
+        if k >= 0:
+            at = sum(sizes[:me])
+            owner = t.out_owners[k]  # type: ignore[attr-defined]
+            owner[at : at + nb] = e.array.reshape(-1).view(np.uint8)
+        return k
 
     def _round_step(self) -> None:
         """Decide the peer rounds that can be decided: answer a peer that posted a round this
@@ -1042,6 +1069,7 @@ class Engine:
         posts = board.read()
         board.open = False
         items, self.round_items = self.round_items, []
+        out, self.round_out = self.round_out, -1
         if not items:
             return
         cids, self.round_cids = self.round_cids, []
@@ -1049,7 +1077,7 @@ class Engine:
         if how == "plane":
             self._run_plane_round(items)
         elif how == "data":
-            self._run_round(items, posts)
+            self._run_round(items, posts, out)
         else:
             # Some peer posted something else (or nothing): every rank sees the same posts,
             # so all of them hand their ops to rank 0 as usual.
@@ -1084,16 +1112,22 @@ class Engine:
         if group:
             self._execute(_merge(group))
 
-    def _run_round(self, items: list[tuple[Entry, Response]], posts: list[tuple]) -> None:
+    def _run_round(
+        self, items: list[tuple[Entry, Response]], posts: list[tuple], out: int = -1
+    ) -> None:
         """Every rank posted these ops with its data (a "data" round): each rank computes
         every result from the posts alone. Allreduces reduce all parts in rank order with the
         data plane's numerics, so every rank computes the same bits; allgathers concatenate
-        the parts; broadcasts take the root's."""
+        the parts; broadcasts take the root's. ``out``: this rank's output slot that holds
+        its block of a lone allgather (which is then the result)."""
         self.stats["rounds_run"] += 1
         me, n = self.rank, self.size
         data: list[Any] = [None] * n
-        for r, _, _, d in posts:
+        outs = [-1] * n
+        for r, _, _, d, o in posts:
             data[r] = d
+            outs[r] = o
+        outs[me] = out
         offs = [0] * n
         for e, resp in items:
             op = resp.op
@@ -1118,10 +1152,10 @@ class Engine:
                     # one fold straight into the output (the same bits as ``_fold``).
                     entries = self._claim(resp, running=False)
                     self.stats["eager_responses"] += 1
-                    out = entries[0]
-                    if out is not None:
-                        ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=out.output.reshape(-1))
-                        out.handle._complete(out.index, out.output)
+                    one = entries[0]
+                    if one is not None:
+                        ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=one.output.reshape(-1))
+                        one.handle._complete(one.index, one.output)
                     continue
                 self._execute_eager(resp, _fold(parts, resp, n), "PEER_ALLREDUCE")
                 continue
@@ -1129,6 +1163,7 @@ class Engine:
             if got is None:  # failed meanwhile (the table closed): only skip its bytes
                 for r in range(n):
                     offs[r] += _posted(resp, r)
+                self._out_done(outs)
                 continue
             tl = self.timeline
             if tl is not None:
@@ -1137,18 +1172,31 @@ class Engine:
                 tl.activity(rows, "PEER_" + OP_NAMES[op].upper())
             if op == ALLGATHER:
                 assert resp.dim0s is not None
-                res = got.alloc((sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:]), dtype)
+                shape = (sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:])
+                t = self.transport
+                if out >= 0:  # this rank's block is in place already
+                    self.stats["slot_outputs"] += 1
+                    owner = t.out_owners[out]  # type: ignore[attr-defined]
+                    res = owner[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+                else:
+                    res = got.alloc(shape, dtype)
                 flat = res.reshape(-1).view(np.uint8)
                 at = 0
                 for r in range(n):
                     nb = _posted(resp, r)
-                    flat[at : at + nb] = (
-                        got.array.reshape(-1).view(np.uint8)
-                        if r == me
-                        else np.frombuffer(data[r], np.uint8, nb, offs[r])
-                    )
-                    offs[r] += nb
+                    if outs[r] >= 0:
+                        if r != me:  # the peer's block, at the same place of its result
+                            src = t.peer_out(r, outs[r])  # type: ignore[attr-defined]
+                            flat[at : at + nb] = np.frombuffer(src, np.uint8, nb, at)
+                    else:
+                        flat[at : at + nb] = (
+                            got.array.reshape(-1).view(np.uint8)
+                            if r == me
+                            else np.frombuffer(data[r], np.uint8, nb, offs[r])
+                        )
+                        offs[r] += nb
                     at += nb
+                self._out_done(outs)
             else:  # BROADCAST
                 root = resp.root
                 res = got.output
@@ -1163,6 +1211,17 @@ class Engine:
                 tl.activity(rows, None)
                 tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
             got.handle._complete(got.index, res)
+
+    def _out_done(self, outs: list[int]) -> None:
+        """After reading a lone allgather's round: tell the peers whose output slots it read
+        from, then (if this rank's block was in its own slot) wait until every peer has read
+        it there, so that the result can be handed out (and changed by the caller)."""
+        me = self.rank
+        readers_of = [r for r, o in enumerate(outs) if o >= 0 and r != me]
+        if readers_of:
+            self.transport.board_ack(readers_of)  # type: ignore[attr-defined]
+        if outs[me] >= 0:
+            self.transport.board_wait_acked()  # type: ignore[attr-defined]
 
     def _resend(self, wanted: list[tuple[int, int]]) -> None:
         want = set(wanted)
@@ -1445,20 +1504,25 @@ def _decide(
     totals: Sequence[int] | None = None,
 ) -> str:
     """How a peer round this rank posted ``items`` (ids ``cids``, ``tag``) to runs, given the
-    peers' ``posts`` (rank, tag, ids, data): "data" (from the posts alone), "plane" (on the
+    peers' ``posts`` (rank, tag, ids, data, output slot): "data" (from the posts and the
+    output slots they name; only a lone allgather's post may name one), "plane" (on the
     data plane) or "fallback" (through rank 0). Every rank sees the same posts and decides
     the same. ``totals``: the bytes each rank posts for ``items`` (computed if not given)."""
     if tag & 1:
         # Same ops, posted after the same number of response lists: run on the data plane,
         # exactly as a list from rank 0 would. After different numbers, one rank may have run
         # a list (a broadcast it is root of) whose bytes the other has yet to read.
-        ok = all(c == cids and t == tag for _, t, c, _ in posts)
+        ok = all(c == cids and t == tag for _, t, c, _, _ in posts)
         return "plane" if ok else "fallback"
+    lone_gather = len(items) == 1 and items[0][1].op == ALLGATHER
     ok = all(
         c == cids
         and not t & 1
-        and d.nbytes == (totals[r] if totals else sum(_posted(resp, r) for _, resp in items))
-        for r, t, c, d in posts
+        and (
+            d.nbytes == (totals[r] if totals else sum(_posted(resp, r) for _, resp in items))
+            or (out >= 0 and lone_gather and d.nbytes == 0)
+        )
+        for r, t, c, d, out in posts
     )
     return "data" if ok else "fallback"
 

@@ -38,7 +38,8 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
@@ -64,6 +65,11 @@ _DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
 _POLL_MS = 200
 BOARD_DATA = 1024 * 1024  # data of one peer-round post (small allreduces, allgathers, broadcasts)
 BOARD_IDS = PAGE // 8 - 8  # cache ids per post
+# Output slots: a rank's result of an allgather data round can live in its own segment, where
+# the peers read its block from (instead of from a copy in the board): one copy less per rank.
+OUT_SLOTS = 2
+OUT_BYTES = 2 * BOARD_DATA
+OUT_MIN = 128 * 1024  # a rank's own block from this size on (below, the copy costs no more)
 # Own-block copies interleaved with single-copy reads (``exchange_copy``): this much of the
 # peer's message is read, then as large a share of the copies, so both ranks' blocks pass
 # through the shared cache once for the two readers (the owner's copy, the peer's read).
@@ -237,7 +243,18 @@ class _Board:
     round ahead: two slots (by parity) per rank suffice. ``latest`` is published after the
     slot's contents (like a channel's counter)."""
 
-    __slots__ = ("latest", "slots", "peers", "n", "open", "deferred", "_mine", "_peer_slots")
+    __slots__ = (
+        "latest",
+        "acked",
+        "acks",
+        "slots",
+        "peers",
+        "n",
+        "open",
+        "deferred",
+        "_mine",
+        "_peer_slots",
+    )
 
     def __init__(self, mine: mmap.mmap, peers: dict[int, mmap.mmap], base: int) -> None:
         def views(mem: mmap.mmap) -> tuple[memoryview, list[tuple[memoryview, memoryview]]]:
@@ -251,6 +268,13 @@ class _Board:
 
         self.latest, self._mine = views(mine)
         self.peers = [(r, *views(m)) for r, m in sorted(peers.items())]
+        # The last round whose posts this rank has read out of the peers' output slots (its
+        # own cache line): a rank whose result lives in its output slot returns it only once
+        # every peer has read its block from there.
+        self.acked = memoryview(mine)[base + 64 : base + 72].cast("q")
+        self.acks = [
+            memoryview(peers[r])[base + 64 : base + 72].cast("q") for r, _, _ in self.peers
+        ]
         self.n = 0  # the last round this rank posted
         self.open = False  # ... and not everybody has posted it yet
         # The engine has seen a peer's next round and leaves its answer for later (it has
@@ -289,9 +313,12 @@ class _Board:
         """Peers that have not posted this rank's open round yet."""
         return [r for r, latest, _ in self.peers if latest[0] < self.n]
 
-    def post(self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0) -> None:
+    def post(
+        self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0, out: int = -1
+    ) -> None:
         """Post round ``n + 1``: ``cids`` (empty: nothing to run), their data in order, and a
-        ``tag`` the engine compares (what kind of round, and where in its list sequence)."""
+        ``tag`` the engine compares (what kind of round, and where in its list sequence).
+        ``out``: this rank's data is in its output slot ``out`` instead (``parts`` empty)."""
         n = self.n + 1
         head, data = self._mine[n % 2]
         off = 0
@@ -303,6 +330,7 @@ class _Board:
         head[1] = k
         head[2] = off
         head[3] = tag
+        head[4] = out + 1
         head[8 : 8 + k] = memoryview(array("q", cids))
         head[0] = n
         _order()
@@ -311,8 +339,9 @@ class _Board:
         self.open = True
         self.deferred = False
 
-    def read(self) -> list[tuple[int, int, list[int], memoryview]]:
-        """Every peer's post of round ``n`` (rank, tag, cache ids, data); call once ``due()``."""
+    def read(self) -> list[tuple[int, int, list[int], memoryview, int]]:
+        """Every peer's post of round ``n`` (rank, tag, cache ids, data, output slot or -1);
+        call once ``due()``."""
         n = self.n
         _order()
         out = []
@@ -321,11 +350,28 @@ class _Board:
             if head[0] != n:
                 raise TransportError(f"rank {r}'s post of engine round {n} is missing")
             k = head[1]
-            out.append((r, head[3], head[8 : 8 + k].tolist(), data[: head[2]]))
+            out.append((r, head[3], head[8 : 8 + k].tolist(), data[: head[2]], head[4] - 1))
         return out
 
+    def ack(self) -> None:
+        """This rank has read its peers' output slots for round ``n``."""
+        _order()
+        self.acked[0] = self.n
+
+    def all_acked(self) -> bool:
+        n = self.n
+        for a in self.acks:
+            if a[0] < n:
+                return False
+        return True
+
+    def unacked(self) -> list[int]:
+        """Peers that have not read this rank's output slot for round ``n`` yet."""
+        n = self.n
+        return [r for (r, _, _), a in zip(self.peers, self.acks, strict=True) if a[0] < n]
+
     def release(self) -> None:
-        for v in (self.latest, *(x for pair in self._mine for x in pair)):
+        for v in (self.latest, self.acked, *self.acks, *(x for pair in self._mine for x in pair)):
             v.release()
         for _, latest, slots in self.peers:
             for v in (latest, *(x for pair in slots for x in pair)):
@@ -385,12 +431,16 @@ class ShmTransport(Transport):
         spin_us: float,
         timeout: float,
         single_copy: int = 0,
+        outputs: bool = True,
     ) -> None:
         """``local``: the global ranks on this host (this one included). Raises
         ``TransportError`` if this host's ranks cannot all use shared memory (every one of
         them raises, so they agree); use ``create`` to fall back to ``inner`` instead.
         ``single_copy``: messages of more than one chunk and at least this many bytes are read
-        straight from the sender's memory where every local rank can (0: never)."""
+        straight from the sender's memory where every local rank can (0: never).
+        ``outputs``: results of allgather peer rounds may live in this rank's output slots
+        (every rank reads the others' either way); only where reference counts tell that no
+        view of a result is alive any more (``horovod.core.pool``)."""
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.local = sorted(local)
@@ -421,6 +471,11 @@ class ShmTransport(Transport):
         self._path: str | None = None
         self._sock_paths: list[str] = []
         self.board: _Board | None = None  # the engine's peer rounds (all ranks on this host)
+        # Output slots (``out_slot``): every local rank's, and the arrays that hand out this
+        # rank's (when ``outputs``: a result may then live in shared memory).
+        self.outputs = outputs
+        self._out_views: dict[int, list[memoryview]] = {}
+        self.out_owners: list[np.ndarray] = []
         # Single copy (cross-memory attach): messages of at least this many bytes (0: off).
         self.single_copy = 0
         self._pids: dict[int, int] = {}
@@ -457,6 +512,9 @@ class ShmTransport(Transport):
         return PAGE + self.nslots * self.chunk
 
     def _seg_bytes(self) -> int:
+        return self._out_base() + OUT_SLOTS * OUT_BYTES
+
+    def _out_base(self) -> int:
         return self._board_base() + PAGE + 2 * (PAGE + BOARD_DATA)
 
     def _board_base(self) -> int:
@@ -569,6 +627,15 @@ class ShmTransport(Transport):
         self._me_asleep = memoryview(mine)[0:72].cast("q")
         if len(self.local) == self.size:  # peer rounds need every rank on this host
             self.board = _Board(mine, {r: self._maps[r] for r in self.peers}, self._board_base())
+            ob = self._out_base()
+            for r in self.local:
+                mv = memoryview(self._maps[r])
+                self._out_views[r] = [
+                    mv[ob + k * OUT_BYTES : ob + (k + 1) * OUT_BYTES] for k in range(OUT_SLOTS)
+                ]
+                mv.release()
+            if self.outputs:
+                self.out_owners = [np.frombuffer(v, np.uint8) for v in self._out_views[me]]
 
     def _setup_single_copy(self, store: Store, scope: str, timeout: float, threshold: int) -> None:
         """Use single-copy transfers if every local rank can read every other one's memory:
@@ -941,11 +1008,22 @@ class ShmTransport(Transport):
             except OSError:
                 pass
 
-    def _wait(self, out, inc, r_out, r_inc, nbytes: int = 0) -> None:
+    def _wait(
+        self,
+        out,
+        inc,
+        r_out,
+        r_inc,
+        nbytes: int = 0,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         """Wait until ``_progress`` can move something. ``nbytes``: the largest chunk in
         flight; the poll covers the time a peer needs to copy it (at ~5 GB/s, so up to about
-        200 us for 1 MiB) on top of the spin time, because a wake-up from sleep costs more."""
+        200 us for 1 MiB) on top of the spin time, because a wake-up from sleep costs more.
+        ``ready``: wait for that instead (the peers in ``inc`` are watched for EOF)."""
         tcp = self.inner
+        if ready is None:
+            ready = partial(self._ready, out, inc)
         deadline = time.perf_counter() + self.spin_s + min(nbytes, self.chunk) / 5e9
         while time.perf_counter() < deadline:
             if self._aborted is not None:
@@ -954,7 +1032,7 @@ class ShmTransport(Transport):
                 os.sched_yield()
             if self._backlog:
                 self._flush_backlog()
-            if self._ready(out, inc) or (
+            if ready() or (
                 (r_out or r_inc) and tcp.progress(r_out, r_inc)  # type: ignore[attr-defined]
             ):
                 return
@@ -962,7 +1040,7 @@ class ShmTransport(Transport):
         self._enter_sleep()
         try:
             _fence()
-            if self._ready(out, inc):
+            if ready():
                 return
             poller = select.poll()
             sock = self._sock
@@ -985,7 +1063,7 @@ class ShmTransport(Transport):
                 events = poller.poll(1 if self._backlog else _POLL_MS)
                 # A peer that finished and exited may have left all we need from it in its
                 # slots: only a peer we still wait for with nothing ready is lost.
-                if self._ready(out, inc):
+                if ready():
                     break
                 for fd, _ in events:
                     if fd in watch:
@@ -1119,15 +1197,54 @@ class ShmTransport(Transport):
             self._flush_backlog()
         return got
 
-    def board_post(self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0) -> None:
+    def board_post(
+        self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0, out: int = -1
+    ) -> None:
         """Post the engine's next peer round (``_Board.post``) and wake sleeping peers."""
         board = self.board
         assert board is not None
         if self._aborted is not None:
             raise TransportError(self._aborted)
-        board.post(cids, parts, tag)
+        board.post(cids, parts, tag, out)
         for peer in self.peers:
             self._wake(peer, ctrl=True)
+
+    def out_slot(self, nbytes: int) -> int:
+        """A free output slot of this rank for a result of ``nbytes`` (``out_owners[k]`` is
+        a uint8 array over all of it), or -1: outputs off, too large, or every slot still
+        referenced by an earlier result. A slot is free again once no view of it is alive,
+        as in the engine's output pool."""
+        if nbytes <= OUT_BYTES:
+            owners = self.out_owners
+            for k in range(len(owners)):
+                # 2 = the list's reference and getrefcount's argument: no view is alive.
+                if sys.getrefcount(owners[k]) == 2:
+                    return k
+        return -1
+
+    def peer_out(self, peer: int, k: int) -> memoryview:
+        """Output slot ``k`` of local rank ``peer`` (read-only use)."""
+        return self._out_views[peer][k]
+
+    def board_ack(self, readers_of: Sequence[int]) -> None:
+        """This rank has read the output slots of ``readers_of`` for its round: tell them (a
+        datagram to any of them that sleeps waiting for it)."""
+        board = self.board
+        assert board is not None
+        board.ack()
+        for peer in readers_of:
+            self._wake(peer)
+
+    def board_wait_acked(self) -> None:
+        """Wait until every peer has read this rank's output slot for its round (they have
+        all posted it, so they only have their reads left)."""
+        board = self.board
+        assert board is not None
+        while True:
+            waiting = board.unacked()
+            if not waiting:
+                return
+            self._wait({}, dict.fromkeys(waiting), {}, {}, 0, board.all_acked)
 
     def ctrl_idle(self) -> bool:
         """No control message from a same-host rank to read, none waiting to be sent."""
@@ -1253,6 +1370,14 @@ class ShmTransport(Transport):
         if self.board is not None:
             self.board.release()
             self.board = None
+        self.out_owners = []
+        for views in self._out_views.values():
+            for v in views:
+                try:
+                    v.release()
+                except BufferError:
+                    pass  # a result still lives there; the mapping goes with it
+        self._out_views.clear()
         self._rin.clear()
         self._rout.clear()
         if hasattr(self, "_me_asleep"):
