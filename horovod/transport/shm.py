@@ -7,7 +7,9 @@ the receiver, each on its own cache line) and ``slots`` slots of ``chunk`` bytes
 moves as consecutive chunks, one per slot, so the sender fills the next slot while the receiver
 empties (or reduces straight out of) the previous one: copy-in, copy-out and the reduction of
 large messages overlap. Both sides cut messages into the same chunks because lengths agree (the
-Transport contract), so no framing is stored.
+Transport contract), so no framing is stored. After the channels: a control-message ring per
+peer, the engine's board for peer rounds (``_Board``), and two output slots, where a rank may
+build an allgather result that its peers read its block from (``out_slot``).
 
 Waiting. A rank with nothing to do polls the counters for ``spin_us`` microseconds (cheap: a
 peer that is already in the same collective answers within about a microsecond), then sleeps in
