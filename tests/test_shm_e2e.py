@@ -67,7 +67,8 @@ def test_large_messages_move_by_single_copy_between_processes():
         import numpy as np, horovod.numpy as hvd
         from horovod.core.context import current
         hvd.init()
-        print("single_copy", current().engine.transport.single_copy, flush=True)
+        t = current().engine.transport
+        print("single_copy", t.single_copy, "split", t.split_copy, flush=True)
         n = 3 << 20  # float32: 12 MiB
         base = np.arange(n, dtype=np.float32) % 977
         s = hvd.allreduce(base + hvd.rank(), op=hvd.Sum)
@@ -76,6 +77,10 @@ def test_large_messages_move_by_single_copy_between_processes():
         assert (g[: n // 2] == 1).all() and (g[n // 2 :] == 2).all(), "allgather"
         b = hvd.broadcast(base + 10 * hvd.rank(), root_rank=1)
         assert np.array_equal(b, base + 10), "broadcast"
+        for k in range(3):  # split: the root writes half, the receiver reads half
+            x = base[: n - 1001] + (5 * k if hvd.rank() == 0 else -1)
+            hvd.broadcast_(x, 0, name="inplace")
+            assert np.array_equal(x, base[: n - 1001] + 5 * k), "broadcast_"
         print("exact", flush=True)
     """
     out = run_script(script)
@@ -85,9 +90,10 @@ def test_large_messages_move_by_single_copy_between_processes():
     assert len(values) == 1, out.stdout
     if _can_read_a_child_process():
         assert values == {str(2 * 1024 * 1024)}
+        assert out.stdout.count("split True") == 2, out.stdout
     out = run_script(script, env={"HOROVOD_SHM_SINGLE_COPY_BYTES": "0"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("single_copy 0") == 2 and out.stdout.count("exact") == 2
+    assert out.stdout.count("single_copy 0 split False") == 2 and out.stdout.count("exact") == 2
 
 
 def test_mixed_sync_async_ops_from_several_threads_stay_exact():

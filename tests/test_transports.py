@@ -551,6 +551,223 @@ def test_a_failed_single_copy_read_names_the_peer_and_the_way_out(monkeypatch):
         _close(ts)
 
 
+def _recording(monkeypatch, name: str) -> list:
+    """Wrap ``cma.<name>`` to record (thread id, nbytes) of every call."""
+    from horovod.transport import cma
+
+    real, calls, lock = getattr(cma, name), [], threading.Lock()
+
+    def rec(pid, a, b, nbytes):
+        with lock:
+            calls.append((threading.get_ident(), nbytes))
+        real(pid, a, b, nbytes)
+
+    monkeypatch.setattr(cma, name, rec)
+    return calls
+
+
+@pytest.mark.parametrize("root", [0, 1])
+def test_two_rank_large_broadcast_splits_between_root_writing_and_receiver_reading(
+    monkeypatch, root
+):
+    """The root writes the first (page-aligned) half into the receiver, the receiver reads the
+    rest from the root, at once; both return with the receiver holding exactly the root's
+    bytes, and back-to-back broadcasts of changing data stay exact."""
+    ts = _make("shm-direct", 2)
+    try:
+        assert all(t.split_copy for t in ts)
+        writes, reads = _recording(monkeypatch, "write"), _recording(monkeypatch, "read")
+        n = 7 * CHUNK + 123  # not a page multiple: the reader's part is the longer one
+
+        def fn(r, t):
+            ok = []
+            for k in range(4):
+                want = (np.arange(n) * (k + 3) % 251).astype(np.uint8)
+                buf = want.copy() if r == root else np.zeros(n, np.uint8)
+                alg.broadcast(t, buf, root)
+                ok.append(bool(np.array_equal(buf, want)))
+                if r == root:
+                    buf[:] = 0  # the root may change its buffer at once
+            return threading.get_ident(), all(ok)
+
+        res = _run(ts, fn)
+        assert [ok for _, ok in res] == [True, True]
+        half = n // 2 // 4096 * 4096
+        assert {(who, nb) for who, nb in writes} == {(res[root][0], half)}
+        assert {(who, nb) for who, nb in reads} == {(res[1 - root][0], n - half)}
+        assert len(writes) == len(reads) == 4
+    finally:
+        _close(ts)
+
+
+def test_split_broadcast_within_a_process_set_of_two(monkeypatch):
+    """Ranks 0 and 2 of three as a set of two (a process set): the split goes between the
+    global ranks; rank 1 takes no part."""
+    from horovod.transport.base import SubTransport
+
+    ts = _make("shm-direct", 3)
+    try:
+        writes = _recording(monkeypatch, "write")
+
+        def fn(r, t):
+            if r == 1:
+                return True
+            buf = np.full(9 * CHUNK + 7, 40 + r, np.uint8)
+            alg.broadcast(SubTransport(t, [0, 2]), buf, 1)  # set rank 1 = global rank 2
+            return bool((buf == 42).all())
+
+        assert _run(ts, fn) == [True, True, True]
+        assert [nb for _, nb in writes] == [(9 * CHUNK + 7) // 2 // 4096 * 4096]
+    finally:
+        _close(ts)
+
+
+def test_three_ranks_and_small_broadcasts_do_not_split(monkeypatch):
+    """A large broadcast over three ranks is a pipelined chain (more than one message per
+    step) and a broadcast under the single-copy threshold goes through the slots: no writes."""
+    ts = _make("shm-direct", 3)
+    try:
+        writes = _recording(monkeypatch, "write")
+
+        def fn(r, t):
+            big = np.full(9 * CHUNK, r, np.uint8)
+            small = np.full(CHUNK, r, np.uint8)
+            alg.broadcast(t, big, 2)
+            alg.broadcast(t, small, 1)
+            return bool((big == 2).all() and (small == 1).all())
+
+        assert _run(ts, fn) == [True, True, True]
+        assert writes == []
+    finally:
+        _close(ts)
+
+
+def test_ranks_keep_reading_alone_when_one_cannot_write_the_others(monkeypatch, caplog):
+    """Writing into a peer can be forbidden where reading is not: every rank then leaves the
+    split off (the verdicts agree), says why, and keeps single-copy reads."""
+    from horovod.transport import cma
+
+    real, calls, lock = cma.write, [], threading.Lock()
+
+    def first_fails(pid, src, remote, nbytes):
+        with lock:
+            calls.append(1)
+            first = len(calls) == 1
+        if first:
+            raise PermissionError(1, "Operation not permitted")
+        real(pid, src, remote, nbytes)
+
+    monkeypatch.setattr(cma, "write", first_fails)
+    caplog.set_level("INFO", logger="horovod")
+    ts = _make("shm-direct", 2)
+    try:
+        assert [(t.single_copy > 0, t.split_copy) for t in ts] == [(True, False)] * 2
+        assert "cannot write rank" in caplog.text and "Operation not permitted" in caplog.text
+        count = len(calls)
+
+        def fn(r, t):
+            buf = np.full(9 * CHUNK + 1, r + 5, np.uint8)
+            alg.broadcast(t, buf, 1)
+            return bool((buf == 6).all())
+
+        assert _run(ts, fn) == [True, True]
+        assert len(calls) == count  # no write after the probes
+    finally:
+        _close(ts)
+
+
+def test_a_failed_split_write_names_the_peer_and_the_way_out(monkeypatch):
+    from horovod.transport import cma
+
+    ts = _make("shm-direct", 2)
+    try:
+
+        def gone(pid, src, remote, nbytes):
+            raise OSError(14, "Bad address")
+
+        monkeypatch.setattr(cma, "write", gone)
+
+        def fn(r, t):
+            try:
+                alg.broadcast(t, np.zeros(9 * CHUNK, np.uint8), 0)
+            except TransportError as e:
+                t.abort(str(e))
+                raise
+
+        _, errs = _run_collect(ts, fn)
+        assert set(errs) == {0, 1}
+        assert "rank 0 could not write into rank 1's memory (Bad address)" in str(errs[0])
+        assert "HOROVOD_SHM_SINGLE_COPY_BYTES=0" in str(errs[0])
+        assert isinstance(errs[1], TransportError)
+    finally:
+        _close(ts)
+
+
+def test_split_broadcast_length_mismatch_is_reported_and_does_not_hang():
+    ts = _make("shm-direct", 2)
+    try:
+
+        def fn(r, t):
+            try:
+                alg.broadcast(t, np.zeros((8 + r) * CHUNK, np.uint8), 0)
+            except TransportError as e:
+                t.abort(str(e))
+                raise
+
+        _, errs = _run_collect(ts, fn)
+        assert set(errs) == {0, 1}
+        assert "rank 1 posted a 36864-byte buffer for a broadcast where rank 0 has 32768" in str(
+            errs[0]
+        ) or "rank 0 posted a 32768-byte buffer for a broadcast where rank 1 has 36864" in str(
+            errs[1]
+        )
+    finally:
+        _close(ts)
+
+
+def test_split_broadcast_to_a_peer_that_goes_away_is_reported():
+    ts = _make("shm-direct", 2)
+    try:
+        err: list = []
+
+        def wait():
+            try:
+                ts[0].exchange_pair(1, memoryview(np.zeros(9 * CHUNK, np.uint8)), True)
+            except TransportError as e:
+                err.append(str(e))
+
+        th = threading.Thread(target=wait)
+        th.start()
+        time.sleep(0.3)
+        ts[1].close()
+        th.join(5)
+        assert not th.is_alive(), "the root did not notice"
+        assert err and "rank 1" in err[0]
+    finally:
+        ts[0].close()
+
+
+def test_split_broadcast_waits_for_a_late_peer_without_spinning():
+    """The root posts, the receiver arrives 0.3 s later: the root sleeps meanwhile (little CPU)
+    and both end with the root's bytes."""
+    ts = _make("shm-direct", 2)
+    try:
+
+        def fn(r, t):
+            buf = np.full(9 * CHUNK, 7 if r == 0 else 0, np.uint8)
+            if r == 1:
+                time.sleep(0.3)
+            c0 = time.thread_time()
+            alg.broadcast(t, buf, 0)
+            return bool((buf == 7).all()), time.thread_time() - c0
+
+        res = _run(ts, fn)
+        assert [ok for ok, _ in res] == [True, True]
+        assert res[0][1] < 0.1, res
+    finally:
+        _close(ts)
+
+
 def _create(hosts: list[str]) -> list:
     """Ranks on the given host names, built as hvd.init() does (``ShmTransport.create``)."""
     n = len(hosts)

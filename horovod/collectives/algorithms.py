@@ -343,8 +343,11 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
     if n > 2 and buf.nbytes > max(SMALL_BYTES, PIPELINE_BYTES):
         _broadcast_chain(t, buf, root)
         return
-    vr = (me - root) % n
     view = as_bytes(buf)
+    if n == 2:
+        t.exchange_pair(1 - me, view, me == root)
+        return
+    vr = (me - root) % n
     mask = 1
     while mask < n:
         if vr & mask:

@@ -108,6 +108,15 @@ class Transport(ABC):
         everything alone; both sides of a pair must use the same form."""
         self.exchange(sends, recvs)
 
+    def exchange_pair(self, peer: int, mv: memoryview, send: bool) -> None:
+        """One message to (``send``) or from ``peer``, whose call is the mirror image: the step
+        has no other message on either side (a two-rank broadcast). The shared-memory
+        transport splits a large one between both sides."""
+        if send:
+            self.exchange_oneway([(peer, mv)], [])
+        else:
+            self.exchange_oneway([], [(peer, mv)])
+
     @abstractmethod
     def send_ctrl(self, peer: int, payload: bytes) -> None: ...
 
@@ -155,6 +164,9 @@ class SubTransport:
     def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks
         self.parent.exchange_oneway([(r[p], m) for p, m in sends], [(r[p], m) for p, m in recvs])
+
+    def exchange_pair(self, peer: int, mv: memoryview, send: bool) -> None:
+        self.parent.exchange_pair(self.ranks[peer], mv, send)
 
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]

@@ -11,6 +11,8 @@ in mode 1 ("restricted": only a descendant may attach) the reader must be named 
 with ``prctl(PR_SET_PTRACER)``. Modes 2 and 3, seccomp filters (some container runtimes), or
 ranks in different PID namespaces forbid it: the transport probes every pair at start-up and
 keeps the two-copy path unless every rank of the host can read every other one.
+``process_vm_writev(2)`` is allowed on the same terms; a large broadcast between two ranks uses
+both at once (the root writes one half into the receiver while the receiver reads the other).
 """
 
 from __future__ import annotations
@@ -43,16 +45,18 @@ def _libc_function(name: str):
 
 
 _readv = _libc_function("process_vm_readv")
-if _readv is not None:
-    _readv.argtypes = [
-        ctypes.c_int,
-        ctypes.POINTER(_Iovec),
-        ctypes.c_ulong,
-        ctypes.POINTER(_Iovec),
-        ctypes.c_ulong,
-        ctypes.c_ulong,
-    ]
-    _readv.restype = ctypes.c_ssize_t
+_writev = _libc_function("process_vm_writev")
+for _f in (_readv, _writev):
+    if _f is not None:
+        _f.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
+        _f.restype = ctypes.c_ssize_t
 _prctl = _libc_function("prctl")
 if _prctl is not None:
     _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
@@ -74,16 +78,28 @@ def read(pid: int, remote: int, dst: int, nbytes: int) -> None:
     GIL is released meanwhile). Raises ``OSError`` (ESRCH: the process is gone; EFAULT: the
     range is not mapped there; EPERM: not allowed)."""
     assert _readv is not None
+    _move(_readv, pid, dst, remote, nbytes)
+
+
+def write(pid: int, src: int, remote: int, nbytes: int) -> None:
+    """Copy ``nbytes`` at address ``src`` here to address ``remote`` of process ``pid``
+    (``process_vm_writev(2)``, allowed as reading is); raises as ``read`` does."""
+    if _writev is None:
+        raise OSError(errno.ENOSYS, "no process_vm_writev on this platform")
+    _move(_writev, pid, src, remote, nbytes)
+
+
+def _move(call, pid: int, here: int, remote: int, nbytes: int) -> None:
     local, far = _Iovec(), _Iovec()
     done = 0
     while done < nbytes:
-        local.base, local.len = dst + done, nbytes - done
+        local.base, local.len = here + done, nbytes - done
         far.base, far.len = remote + done, nbytes - done
-        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0)
+        n = call(pid, ctypes.byref(local), 1, ctypes.byref(far), 1, 0)
         if n < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-        if n == 0:  # a partial read stops at the first unreadable page
+        if n == 0:  # a partial transfer stops at the first page it cannot reach
             raise OSError(errno.EFAULT, os.strerror(errno.EFAULT))
         done += n
 
