@@ -209,7 +209,9 @@ class Config:
         2 * 1024 * 1024,
         "Messages between ranks of one host of more than one slot and at least this many "
         "bytes are read straight from the sender's memory (Linux cross-memory attach: one "
-        "copy instead of two), where every rank of the host can; 0 turns it off.",
+        "copy instead of two; a two-rank broadcast is split, the root writing half into the "
+        "receiver while it reads the other half), where every rank of the host can; 0 turns "
+        "it off.",
         minimum=0,
     )
     spin_microseconds: float = _knob(
