@@ -698,7 +698,62 @@ def test_a_failed_split_write_names_the_peer_and_the_way_out(monkeypatch):
         assert set(errs) == {0, 1}
         assert "rank 0 could not write into rank 1's memory (Bad address)" in str(errs[0])
         assert "HOROVOD_SHM_SINGLE_COPY_BYTES=0" in str(errs[0])
-        assert isinstance(errs[1], TransportError)
+        # the receiver, whose own half arrived, is told rather than returning half a buffer
+        assert "rank 0 failed its part of a broadcast with rank 1" in str(errs[1])
+    finally:
+        _close(ts)
+
+
+def test_an_aborted_receiver_returns_only_once_the_root_is_done_with_its_buffer(monkeypatch):
+    """The receiver posts its address, then its job aborts while the root has not come yet:
+    the receiver must not hand its buffer back (to be freed or reused) while the root may
+    still write into it; it waits until the root has done its part, then raises."""
+    from horovod.transport import cma
+
+    ts = _make("shm-direct", 2)
+    try:
+        events: list = []
+        real = cma.write
+
+        def slow_write(pid, src, remote, nbytes):
+            time.sleep(0.2)
+            real(pid, src, remote, nbytes)
+            events.append("written")
+
+        monkeypatch.setattr(cma, "write", slow_write)
+        buf = np.zeros(9 * CHUNK, np.uint8)
+        err: list = []
+
+        def receive():
+            try:
+                ts[1].exchange_pair(0, memoryview(buf), False)
+            except TransportError as e:
+                events.append("receiver raised")
+                err.append(str(e))
+
+        th = threading.Thread(target=receive)
+        th.start()
+        time.sleep(0.2)  # the receiver has posted and waits for the root
+        ts[1].abort("rank 2 failed")
+        time.sleep(0.2)
+        assert th.is_alive(), "the receiver returned while the root could still write"
+        root_err: list = []
+
+        def send():
+            try:
+                ts[0].exchange_pair(1, memoryview(np.full(9 * CHUNK, 3, np.uint8)), True)
+            except TransportError as e:  # the receiver never marks the root's post: it left
+                root_err.append(str(e))
+
+        root = threading.Thread(target=send)
+        root.start()
+        th.join(10)
+        root.join(10)
+        assert not th.is_alive() and not root.is_alive()
+        assert events == ["written", "receiver raised"]
+        assert err == ["rank 2 failed"]
+        assert root_err and "rank 1" in root_err[0]
+        assert (buf[: 4 * CHUNK] == 3).all()  # the root's half landed before the receiver left
     finally:
         _close(ts)
 

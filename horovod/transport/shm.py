@@ -64,6 +64,7 @@ PAGE = 4096
 RING = 256 * 1024  # control-message ring per pair and direction
 FRAME = 8  # little-endian length before each control message
 _DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
+_FAILED = (1 << 64) - 1  # length written over a split broadcast's post its reader gave up on
 _POLL_MS = 200
 BOARD_DATA = 1024 * 1024  # data of one peer-round post (small allreduces, allgathers, broadcasts)
 BOARD_IDS = PAGE // 8 - 8  # cache ids per post
@@ -829,8 +830,10 @@ class ShmTransport(Transport):
     def _split_oneway(self, peer: int, mv: memoryview, sending: bool) -> None:
         """Both sides post their buffer's address in a slot and read the other's; the sender
         writes bytes [0, half) into the receiver, the receiver reads [half, end) from the
-        sender; each marks the other's post read once its part is done, and returns when its
-        own post is marked read (its buffer is then neither read nor written any more)."""
+        sender; each marks the other's post read once its part is done (or once it knows it
+        will not do it: an error), and returns when its own post is marked read (its buffer is
+        then neither read nor written any more). A receiver that fails after posting first
+        lets the sender finish or go (``_settle``): the caller may free the buffer then."""
         ch_out, ch_in, n = self._out[peer], self._in[peer], self.nslots
         nbytes = mv.nbytes
         mine = cma.address(mv)
@@ -842,15 +845,48 @@ class ShmTransport(Transport):
         _order()
         ch_out.wr[0] = posted
         self._wake(peer)
-        while ch_in.count >= ch_in.wr[0]:
-            self._wait({}, {peer: None}, {}, {})
-        _order()
-        addr, theirs = _DESC.unpack_from(ch_in.slots[ch_in.count % n], 0)
+        try:
+            while ch_in.count >= ch_in.wr[0]:
+                self._wait({}, {peer: None}, {}, {})
+            _order()
+            slot = ch_in.slots[ch_in.count % n]
+            addr, theirs = _DESC.unpack_from(slot, 0)
+            ok = False
+            try:
+                self._split_part(peer, mine, addr, nbytes, theirs, sending)
+                ok = True
+            finally:  # done with the peer's buffer, or never to touch it (and it must know)
+                if not ok:
+                    _DESC.pack_into(slot, 0, 0, _FAILED)
+                ch_in.count += 1
+                _order()
+                ch_in.rd[0] = ch_in.count
+                self._wake(peer)
+            if ch_out.rd[0] < posted:
+                done = partial(_reached, ch_out.rd, posted)
+                while not done():
+                    self._wait({}, {peer: None}, {}, {}, self.chunk, done)
+            _order()
+            if _DESC.unpack_from(ch_out.slots[(posted - 1) % n], 0)[1] == _FAILED:
+                raise TransportError(
+                    f"rank {peer} failed its part of a broadcast with rank {self.rank} (its "
+                    "own error says why)"
+                )
+        except BaseException:
+            if not sending:
+                self._settle(peer, ch_out.rd, posted, nbytes)
+            raise
+
+    def _split_part(
+        self, peer: int, mine: int, addr: int, nbytes: int, theirs: int, sending: bool
+    ) -> None:
         if theirs != nbytes:
             raise TransportError(
                 f"rank {peer} posted a {theirs}-byte buffer for a broadcast where rank "
                 f"{self.rank} has {nbytes} bytes: the ranks run different collectives"
             )
+        if self._aborted is not None:
+            raise TransportError(self._aborted)
         half = nbytes // 2 // PAGE * PAGE
         pid = self._pids[peer]
         try:
@@ -867,14 +903,32 @@ class ShmTransport(Transport):
                 f"{peer}'s memory ({e.strerror}); set HOROVOD_SHM_SINGLE_COPY_BYTES=0 to move "
                 "large messages through shared memory instead"
             ) from e
-        ch_in.count += 1
-        _order()
-        ch_in.rd[0] = ch_in.count
-        self._wake(peer)
-        if ch_out.rd[0] < posted:
-            done = partial(_reached, ch_out.rd, posted)
-            while not done():
-                self._wait({}, {peer: None}, {}, {}, self.chunk, done)
+
+    def _settle(self, peer: int, rd: memoryview, posted: int, nbytes: int) -> None:
+        """A receiver leaving a split broadcast on an error, its address posted: wait (without
+        heeding the abort) until the sender has marked the post read (written or given up), or
+        its process is gone, or a bound of 2 s plus the time to write the message has passed,
+        so that it does not write into memory the caller frees or reuses. (Our own abort shut
+        our TCP connections, so only the process tells whether the sender still runs.)"""
+        bound = 2.0 + nbytes / 1e9
+        deadline = time.monotonic() + bound
+        while rd[0] < posted:
+            try:
+                os.kill(self._pids[peer], 0)
+            except ProcessLookupError:
+                return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                log.logger.warning(
+                    "rank %d: rank %d neither did nor gave up its part of a broadcast within "
+                    "%.1f s of an error; leaving it",
+                    self.rank,
+                    peer,
+                    bound,
+                )
+                return
+            time.sleep(0.001)
 
     def exchange_copy(
         self,
