@@ -469,22 +469,29 @@ def test_very_large_messages_by_single_copy_with_default_settings():
         _close(ts)
 
 
+def _failing(monkeypatch, name: str, err: OSError, first_only: bool = False) -> list:
+    """Make ``cma.<name>`` raise ``err`` (only on its first call with ``first_only``; later
+    calls go through); returns the byte counts of all calls."""
+    from horovod.transport import cma
+
+    real, calls, lock = getattr(cma, name), [], threading.Lock()
+
+    def call(pid, a, b, nbytes):
+        with lock:
+            calls.append(nbytes)
+            fail = not first_only or len(calls) == 1
+        if fail:
+            raise err
+        real(pid, a, b, nbytes)
+
+    monkeypatch.setattr(cma, name, call)
+    return calls
+
+
 def test_ranks_agree_on_two_copies_when_one_cannot_read_the_others(monkeypatch, caplog):
     """One rank's probe read fails (as under a seccomp filter or Yama mode 2): every rank
     keeps the two-copy path, says why, and large messages still arrive."""
-    from horovod.transport import cma
-
-    real, calls, lock = cma.read, [], threading.Lock()
-
-    def first_fails(pid, remote, dst, nbytes):
-        with lock:
-            calls.append(1)
-            first = len(calls) == 1
-        if first:
-            raise PermissionError(1, "Operation not permitted")
-        real(pid, remote, dst, nbytes)
-
-    monkeypatch.setattr(cma, "read", first_fails)
+    _failing(monkeypatch, "read", PermissionError(1, "Operation not permitted"), first_only=True)
     caplog.set_level("INFO", logger="horovod")
     out = _make("shm-direct", 3, probe_must_pass=False)
     try:
@@ -525,15 +532,9 @@ def test_single_copy_length_mismatch_is_reported_and_does_not_hang():
 
 
 def test_a_failed_single_copy_read_names_the_peer_and_the_way_out(monkeypatch):
-    from horovod.transport import cma
-
     ts = _make("shm-direct", 2)
     try:
-
-        def gone(pid, remote, dst, nbytes):
-            raise OSError(14, "Bad address")
-
-        monkeypatch.setattr(cma, "read", gone)
+        _failing(monkeypatch, "read", OSError(14, "Bad address"))
 
         def fn(r, t):
             buf = np.zeros(3 * CHUNK, np.uint8)
@@ -645,19 +646,9 @@ def test_three_ranks_and_small_broadcasts_do_not_split(monkeypatch):
 def test_ranks_keep_reading_alone_when_one_cannot_write_the_others(monkeypatch, caplog):
     """Writing into a peer can be forbidden where reading is not: every rank then leaves the
     split off (the verdicts agree), says why, and keeps single-copy reads."""
-    from horovod.transport import cma
-
-    real, calls, lock = cma.write, [], threading.Lock()
-
-    def first_fails(pid, src, remote, nbytes):
-        with lock:
-            calls.append(1)
-            first = len(calls) == 1
-        if first:
-            raise PermissionError(1, "Operation not permitted")
-        real(pid, src, remote, nbytes)
-
-    monkeypatch.setattr(cma, "write", first_fails)
+    calls = _failing(
+        monkeypatch, "write", PermissionError(1, "Operation not permitted"), first_only=True
+    )
     caplog.set_level("INFO", logger="horovod")
     ts = _make("shm-direct", 2)
     try:
@@ -677,15 +668,9 @@ def test_ranks_keep_reading_alone_when_one_cannot_write_the_others(monkeypatch, 
 
 
 def test_a_failed_split_write_names_the_peer_and_the_way_out(monkeypatch):
-    from horovod.transport import cma
-
     ts = _make("shm-direct", 2)
     try:
-
-        def gone(pid, src, remote, nbytes):
-            raise OSError(14, "Bad address")
-
-        monkeypatch.setattr(cma, "write", gone)
+        _failing(monkeypatch, "write", OSError(14, "Bad address"))
 
         def fn(r, t):
             try:

@@ -895,14 +895,8 @@ class ShmTransport(Transport):
             else:
                 cma.read(pid, addr + half, mine + half, nbytes - half)
         except OSError as e:
-            if self._aborted is not None:
-                raise TransportError(self._aborted) from None
-            self._check_alive(peer)
-            raise TransportError(
-                f"rank {self.rank} could not {'write into' if sending else 'read'} rank "
-                f"{peer}'s memory ({e.strerror}); set HOROVOD_SHM_SINGLE_COPY_BYTES=0 to move "
-                "large messages through shared memory instead"
-            ) from e
+            what = "write into" if sending else "read"
+            raise self._cma_failed(peer, e, f"{what} rank {peer}'s memory") from e
 
     def _settle(self, peer: int, rd: memoryview, posted: int, nbytes: int) -> None:
         """A receiver leaving a split broadcast on an error, its address posted: wait (without
@@ -1129,14 +1123,18 @@ class ShmTransport(Transport):
                 seg = dst[off // item : (off + n) // item]
                 p.op(seg, tmp[:n].view(dst.dtype), out=seg)
         except OSError as e:
-            if self._aborted is not None:
-                raise TransportError(self._aborted) from None
-            self._check_alive(peer)
-            raise TransportError(
-                f"rank {self.rank} could not read a message from rank {peer}'s memory "
-                f"({e.strerror}); set HOROVOD_SHM_SINGLE_COPY_BYTES=0 to move it through "
-                "shared memory instead"
-            ) from e
+            raise self._cma_failed(peer, e, f"read a message from rank {peer}'s memory") from e
+
+    def _cma_failed(self, peer: int, e: OSError, what: str) -> TransportError:
+        """The error for a failed single-copy transfer with ``peer``: the abort's reason, or
+        the peer's loss (raised), or what failed and the way out."""
+        if self._aborted is not None:
+            return TransportError(self._aborted)
+        self._check_alive(peer)
+        return TransportError(
+            f"rank {self.rank} could not {what} ({e.strerror}); set "
+            "HOROVOD_SHM_SINGLE_COPY_BYTES=0 to move large messages through shared memory instead"
+        )
 
     def _wake(self, peer: int, ctrl: bool = False) -> None:
         """After publishing a counter: wake ``peer`` if it sleeps waiting for one (its data-
