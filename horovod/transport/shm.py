@@ -819,7 +819,7 @@ class ShmTransport(Transport):
         """A large message to a local peer is split: the sender writes the first half into the
         receiver's memory while the receiver reads the second half from the sender's (both
         cores copy, each byte once; two copies through the slots, ``exchange_oneway``, take
-        longer). Measured on 2 ranks, 64 MiB: 4.1-4.4 ms split, 4.8-5.0 ms through the slots."""
+        longer). Measured on 2 ranks, 64 MiB: 4.1-4.8 ms split, 4.6-5.4 ms through the slots."""
         if not self.split_copy or mv.nbytes < self.single_copy or peer not in self._out:
             super().exchange_pair(peer, mv, send)
             return
