@@ -22,7 +22,7 @@ from horovod.common.dtypes import code_of
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import context as _context
-from horovod.core.engine import Entry, Handle
+from horovod.core.engine import NOT_EXPRESS, Entry, Handle
 from horovod.core.messages import (
     ADASUM_OP,
     ALLGATHER,
@@ -271,6 +271,31 @@ def _callsite() -> str:
             f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
         )
     return site
+
+
+_NUMBERS = (float, int)
+
+
+def _express(
+    op: int, prefix: str, name: Any, arr: Any, out: Any, reduce_op: int = SUM, root: int = -1
+) -> Any:
+    """A synchronous call of a named op on a C-contiguous NumPy array of the global set: try
+    the engine's express way (``Engine.express``: no submission at all when the op is a lone
+    small cached one). ``NOT_EXPRESS``: submit it as usual."""
+    if type(arr) is not np.ndarray or type(name) is not str or not name:
+        return NOT_EXPRESS
+    ctx = _context.current()
+    if ctx is None:
+        return NOT_EXPRESS
+    flags = arr.flags
+    if not flags.c_contiguous or (out is arr and not flags.writeable):
+        return NOT_EXPRESS
+    return ctx.engine.express(op, prefix + name, arr, out, reduce_op, root, _callsite)
+
+
+def _unit(pre: Any, post: Any) -> bool:
+    """Both scale factors 1 (plain numbers)?"""
+    return type(pre) in _NUMBERS and type(post) in _NUMBERS and pre == 1 and post == 1
 
 
 def _array(tensor: Any, what: str) -> np.ndarray:
@@ -731,6 +756,15 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """Reduce ``tensor`` over all ranks of ``process_set``; returns a new array."""
+    if (
+        average is None
+        and process_set is global_process_set
+        and compression is Compression.none
+        and _unit(prescale_factor, postscale_factor)
+    ):
+        got = _express(ALLREDUCE, "allreduce.", name, tensor, None, AVERAGE if op is None else op)
+        if got is not NOT_EXPRESS:
+            return got  # type: ignore[no-any-return]
     op = _reduce_op(op, average, "allreduce")
     compressed, cctx = compression.compress(_array(tensor, "allreduce"))
     with waited():
@@ -779,6 +813,14 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """In-place allreduce; returns ``tensor``."""
+    if (
+        average is None
+        and process_set is global_process_set
+        and _unit(prescale_factor, postscale_factor)
+    ):
+        got = _express(ALLREDUCE, "allreduce.", name, tensor, tensor, AVERAGE if op is None else op)
+        if got is not NOT_EXPRESS:
+            return got  # type: ignore[no-any-return]
     with waited():
         h = allreduce_async_(
             tensor, average, name, op, prescale_factor, postscale_factor, process_set
@@ -889,6 +931,10 @@ def allgather(
 ) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order; the first
     dimension may differ between ranks."""
+    if process_set is global_process_set:
+        got = _express(ALLGATHER, "allgather.", name, tensor, None)
+        if got is not NOT_EXPRESS:
+            return got  # type: ignore[no-any-return]
     with waited():
         h = allgather_async(tensor, name, process_set)
     return synchronize(h)
@@ -933,6 +979,10 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """``root_rank``'s ``tensor`` on every rank (a new array)."""
+    if process_set is global_process_set and type(root_rank) is int:
+        got = _express(BROADCAST, "broadcast.", name, tensor, None, SUM, root_rank)
+        if got is not NOT_EXPRESS:
+            return got  # type: ignore[no-any-return]
     with waited():
         h = broadcast_async(tensor, root_rank, name, process_set)
     return synchronize(h)
@@ -955,6 +1005,10 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
+    if process_set is global_process_set and type(root_rank) is int:
+        got = _express(BROADCAST, "broadcast.", name, tensor, tensor, SUM, root_rank)
+        if got is not NOT_EXPRESS:
+            return got  # type: ignore[no-any-return]
     with waited():
         h = broadcast_async_(tensor, root_rank, name, process_set)
     return synchronize(h)

@@ -823,6 +823,239 @@ def test_synchronous_ops_from_several_threads_of_each_rank_are_exact():
         _stop_all(engines)
 
 
+SITE = "train.py:7 in step"
+
+
+def _sync(eng, op: int, name: str, x: np.ndarray, out=None, reduce_op: int = 1, root: int = -1):
+    """A frontend's synchronous call: the express way, or (``NOT_EXPRESS``) submitted with
+    ``wake=False`` and waited for. Returns (result, whether it went express)."""
+    from horovod.common.dtypes import code_of
+    from horovod.core.engine import NOT_EXPRESS, Entry, Handle
+    from horovod.core.messages import Request
+
+    got = eng.express(op, name, x, out, reduce_op, root, lambda: SITE)
+    if got is not NOT_EXPRESS:
+        return got, True
+    h = Handle(1)
+    req = Request(0, name, op, code_of(x.dtype, "op"), x.shape, reduce_op, root)
+    if out is None and op != ALLGATHER:
+        out = np.empty_like(x)
+    eng.submit([Entry(req, x, out, h)], wake=False)
+    return h.wait()[0], False
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_express_calls_give_exact_results_without_entering_the_table(n):
+    """Synchronous calls of small cached ops (in-place and new-array allreduces with Sum,
+    Max and Average, broadcasts in place and into a new array, allgathers of different
+    lengths per rank) take the express way once cached: no entry is ever made for the
+    allreduces and broadcasts (the table stays empty), an allgather gets one only to build
+    its result, and every result is exact."""
+    from horovod.core.messages import AVERAGE, MAX, SUM
+
+    engines = _shm_engines(n)
+    try:
+
+        def rank(r, eng):
+            for step in range(30):
+                x = np.full(3, r + step, np.int64)
+                out, _ = _sync(eng, ALLREDUCE, "s", x, x, SUM)
+                assert out is x and (x == n * step + n * (n - 1) // 2).all(), (r, step, x)
+                assert not eng.table and eng.express_key is None
+                m, _ = _sync(eng, ALLREDUCE, "m", np.array([r * step], np.int32), None, MAX)
+                assert m[0] == (n - 1) * step, (r, step, m)
+                a, _ = _sync(eng, ALLREDUCE, "a", np.full(2, float(r + step)), None, AVERAGE)
+                assert (a == step + (n - 1) / 2).all(), (r, step, a)
+                b = np.full(5, r + 10 * step, np.int32)
+                got, _ = _sync(eng, BROADCAST, "b", b, b, SUM, 1)
+                assert got is b and (b == 1 + 10 * step).all(), (r, step, b)
+                c, _ = _sync(eng, BROADCAST, "c", np.full(2, r + step, np.float32), None, SUM, 0)
+                assert (c == step).all(), (r, step, c)
+                g, _ = _sync(eng, ALLGATHER, "g", np.full((r + 1, 2), r * step, np.float32))
+                want = np.concatenate([np.full((q + 1, 2), q * step) for q in range(n)])
+                assert g.shape == want.shape and (g == want).all(), (r, step, g)
+                assert not eng.table and eng.express_key is None
+
+        _race(rank, engines, 60)
+        for e in engines:
+            # The first call of each of the six ops negotiates at rank 0; most others go
+            # express (a rank that finds its engine thread busy for a moment does not).
+            assert e.stats["express"] >= 60, e.stats
+            assert e.stats["quick_rounds"] >= e.stats["express"], e.stats
+    finally:
+        _stop_all(engines)
+
+
+def test_express_refuses_what_it_cannot_run_and_leaves_no_trace():
+    """An uncached name, a request that differs from the cached one (dtype, shape, reduce
+    op, root), the express way switched off, or another op in flight on the rank: the call
+    returns ``NOT_EXPRESS`` with nothing posted, no entry made, the engine free."""
+    from horovod.core.engine import NOT_EXPRESS
+    from horovod.core.messages import MAX, SUM
+
+    engines = _shm_engines(2)
+    try:
+        for step in range(3):  # cache "w" (int64, 2 elements) and broadcast "p" from rank 0
+            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
+            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+            outs = [_submit_op(e, BROADCAST, "p", np.full(2, 3, np.int64), 0) for e in engines]
+            assert all((h.wait()[0] == 3).all() for h in outs)
+        eng = engines[1]
+        before = dict(eng.stats)
+
+        def refused(op, name, x, reduce_op=SUM, root=-1):
+            got = eng.express(op, name, x, None, reduce_op, root, lambda: SITE)
+            assert got is NOT_EXPRESS, (name, x.dtype, x.shape, reduce_op, root)
+            assert eng.express_key is None
+            assert eng.drive.acquire(blocking=False)
+            eng.drive.release()
+
+        ok = np.full(2, 1, np.int64)
+        refused(ALLREDUCE, "never", ok)
+        refused(ALLREDUCE, "w", ok.astype(np.int32))
+        refused(ALLREDUCE, "w", np.full(3, 1, np.int64))
+        refused(ALLREDUCE, "w", ok, MAX)
+        refused(BROADCAST, "p", ok, SUM, 1)
+        refused(ALLGATHER, "w", ok)
+        eng.express_on = False
+        refused(ALLREDUCE, "w", ok)
+        eng.express_on = True
+        pending = _submit_op(eng, BROADCAST, "q", np.full(2, 1, np.int64), 0)  # new: in flight
+        refused(ALLREDUCE, "w", ok)
+        assert eng.stats == before | {k: eng.stats[k] for k in ("cycles", "requests_sent")}
+        assert eng.board.n == engines[0].board.n  # nothing posted
+        root = _submit_op(engines[0], BROADCAST, "q", np.full(2, 7, np.int64), 0)
+        assert (root.wait()[0] == 7).all() and (pending.wait()[0] == 7).all()
+    finally:
+        _stop_all(engines)
+
+
+def test_a_submission_under_the_name_of_an_express_call_in_progress_is_refused():
+    """While an express call waits for its peers (it has no entry in the table), another
+    thread of the rank submitting an op under the same name is told the name is in flight,
+    exactly as if the first had been submitted; the express call then completes."""
+    engines = _shm_engines(2)
+    try:
+        for step in range(3):
+            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
+            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        engines[0].spin_s = 5.0  # rank 0 spins for its peer's post as long as the test needs
+        got: list = []
+        t = threading.Thread(
+            target=lambda: got.append(_sync(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64)))
+        )
+        t.start()
+        deadline = time.monotonic() + 10
+        while engines[0].express_key is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engines[0].express_key == (0, "w")
+        with pytest.raises(ValueError, match="already in flight on this rank under the name 'w'"):
+            _submit_op(engines[0], ALLREDUCE, "w", np.full(2, 1, np.int64))
+        out, _ = _sync(engines[1], ALLREDUCE, "w", np.full(2, 5, np.int64))
+        t.join(10)
+        assert (out == 9).all() and got and (got[0][0] == 9).all() and got[0][1]
+        assert not engines[0].table and engines[0].express_key is None
+    finally:
+        _stop_all(engines)
+
+
+def test_an_express_call_whose_peer_is_late_is_finished_by_the_general_path():
+    """Rank 1 reaches each call 20 ms after rank 0, far past rank 0's spin: rank 0's express
+    call makes its entry then, and the general path finishes it once rank 1 posts (the
+    round still runs, no fallback). Results exact on both ranks."""
+    engines = _shm_engines(2)
+    try:
+
+        def rank(r, eng):
+            for step in range(12):
+                if r == 1:
+                    time.sleep(0.02)
+                x = np.full(4, r + step, np.float32)
+                out, _ = _sync(eng, ALLREDUCE, "late", x, x)
+                assert out is x and (x == 2 * step + 1).all(), (r, step, x)
+
+        _race(rank, engines, 60)
+        for e in engines:
+            assert e.stats["express"] >= 10, e.stats
+            assert e.stats["rounds_run"] >= 10, e.stats
+            assert not e.table
+    finally:
+        _stop_all(engines)
+
+
+def test_an_express_call_that_its_peers_answer_differently_goes_through_rank_0():
+    """Rank 0 calls two ops express while rank 1 submits them asynchronously in the other
+    order: rank 0's rounds fall back to rank 0's lists (its calls get their entries then),
+    and every result is exact."""
+    engines = _shm_engines(2)
+    try:
+
+        def rank(r, eng):
+            for step in range(30):
+                if r == 0:
+                    a, _ = _sync(eng, ALLREDUCE, "a", np.full(2, step, np.float64))
+                    b, _ = _sync(eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
+                else:
+                    hb = _submit_op(eng, ALLREDUCE, "b", np.full(2, 2.0, np.float64))
+                    ha = _submit_op(eng, ALLREDUCE, "a", np.full(2, 1.0, np.float64))
+                    a, b = ha.wait()[0], hb.wait()[0]
+                assert (a == step + 1).all() and (b == 2 * step + 2).all(), (r, step, a, b)
+
+        _race(rank, engines, 60)
+        assert engines[0].stats["express"] >= 20, engines[0].stats
+        assert engines[0].stats["rounds_run"] <= 2, engines[0].stats  # fallbacks, not rounds
+    finally:
+        _stop_all(engines)
+
+
+@pytest.mark.parametrize("where", ["board_post", "_express_result"])
+def test_a_failure_inside_an_express_call_fails_the_call_with_its_site_and_the_job(
+    monkeypatch, where
+):
+    """An error while posting the round or computing the result from the peer's post fails
+    the call with the error and the caller's file and line (as a submitted op would), aborts
+    the job (the peer's pending op fails too instead of hanging) and leaves the engine free;
+    an interrupt (Ctrl-C) there aborts as well and is raised on."""
+    from horovod.common.exceptions import HorovodInternalError, TransportError
+
+    for kind in (TransportError, KeyboardInterrupt):
+        engines = _shm_engines(2)
+        try:
+            for step in range(3):
+                outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
+                assert all((h.wait()[0] == 2 * step).all() for h in outs)
+
+            def broken(*a, kind=kind, **k):
+                raise kind("the board broke")
+
+            target = engines[0].transport if where == "board_post" else engines[0]
+            monkeypatch.setattr(target, where, broken)
+            engines[0].spin_s = 5.0  # waits for rank 1's post however slow its thread is
+            peer = _submit_op(engines[1], ALLREDUCE, "w", np.full(2, 1, np.int64))
+            if kind is TransportError:
+                with pytest.raises(HorovodInternalError, match="the board broke") as info:
+                    _sync(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64))
+                assert SITE in str(info.value)
+            else:
+                with pytest.raises(KeyboardInterrupt):
+                    _sync(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64))
+                assert "was interrupted (KeyboardInterrupt)" in engines[0].closed
+            monkeypatch.undo()
+            assert engines[0].express_key is None
+            assert engines[0].drive.acquire(timeout=5)
+            engines[0].drive.release()
+            if where == "board_post":  # rank 0 never posted: rank 1's op fails
+                with pytest.raises(HorovodInternalError):
+                    peer.wait()
+            # (Otherwise rank 1 may have finished its op from the posts before the abort.)
+            deadline = time.monotonic() + 10
+            while engines[1].closed is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engines[1].closed is not None  # the job is aborted on every rank
+        finally:
+            _stop_all(engines)
+
+
 def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():
     """Each rank posts a lone small cached allreduce to a peer round and at once submits ops
     that go through rank 0 and the data plane (a large allreduce, an allgather, a broadcast):

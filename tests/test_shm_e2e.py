@@ -299,11 +299,58 @@ def test_response_list_larger_than_the_control_ring_reaches_every_rank():
     assert out.stdout.count("exact") == 2 and out.stdout.count("eager True") == 2, out.stdout
 
 
+def test_synchronous_numpy_calls_go_express_and_still_check_their_arguments():
+    """Named synchronous allreduces, broadcasts and allgathers of a real two-process job take
+    the engine's express way once cached, with exact results; arguments the express way does
+    not take (a read-only or strided array, scale factors, unnamed calls) go the usual way and
+    get its checks and results."""
+    script = """
+        import numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r = hvd.rank()
+        stats = current().engine.stats
+        x = np.zeros(4, np.float32)
+        for step in range(30):
+            x[:] = r + step
+            assert hvd.allreduce_(x, op=hvd.Sum, name="s") is x
+            assert (x == 2 * step + 1).all(), x
+            assert (hvd.allreduce(np.full(2, float(r + step)), name="a") == step + 0.5).all()
+            assert (hvd.broadcast(np.full(3, r + step), 1, name="b") == 1 + step).all()
+            y = np.full(2, r + step, np.int8)
+            assert hvd.broadcast_(y, 0, name="c") is y and (y == step).all()
+            g = hvd.allgather(np.full(r + 1, r + step, np.int32), name="g")
+            assert g.tolist() == [step, 1 + step, 1 + step], g
+        print("express", r, stats["express"], flush=True)
+        ro = np.zeros(4, np.float32)
+        ro.flags.writeable = False
+        for bad in (ro, np.zeros(8, np.float32)[::2]):
+            try:
+                hvd.allreduce_(bad, op=hvd.Sum, name="s")
+            except ValueError as e:
+                print("refused", r, e, flush=True)
+        before = stats["express"]
+        z = hvd.allreduce(np.full(4, float(r)), name="s", op=hvd.Sum, postscale_factor=2.0)
+        u = hvd.allreduce(np.full(4, float(r)), op=hvd.Sum)
+        assert (z == 2.0).all() and (u == 1.0).all(), (z, u)
+        print("after", r, stats["express"] - before, flush=True)
+    """
+    out = run_script(script, np_=2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    counts = [int(c) for c in re.findall(r"express \d (\d+)", out.stdout)]
+    assert len(counts) == 2 and all(c >= 100 for c in counts), out.stdout  # of 5 x 29 cached
+    refused = re.findall(r"refused \d (.*)", out.stdout)
+    assert len(refused) == 4, out.stdout
+    assert sum("read-only" in m for m in refused) == 2, refused
+    assert sum("C-contiguous" in m for m in refused) == 2, refused
+    assert re.findall(r"after \d (\d+)", out.stdout) == ["0", "0"], out.stdout
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
     """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer
-    truncation, a grouped op) run as peer rounds by default (the synchronous ones on the
-    calling thread, the quick way): every rank computes the result itself, and it must be bit
+    truncation, a grouped op) run as peer rounds by default (the synchronous ones without
+    being submitted, the express way): every rank computes the result itself, and it must be bit
     for bit what the coordinator's eager path and the data plane's direct exchange give, on
     every rank."""
     script = """
@@ -334,7 +381,7 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
             digest.update(b"".join(o.tobytes() for o in outs))
         stats = current().engine.stats
         print("digest", hvd.rank(), digest.hexdigest(),
-              "rounds", stats["rounds_run"], "quick", stats["quick_rounds"], flush=True)
+              "rounds", stats["rounds_run"], "express", stats["express"], flush=True)
     """
     digests = {}
     for mode, env, rounds_on in [
@@ -351,18 +398,18 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
     ]:
         out = run_script(script, np_=np_, env=env, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
-        found = re.findall(r"digest (\d) (\w+) rounds (\d+) quick (\d+)", out.stdout)
+        found = re.findall(r"digest (\d) (\w+) rounds (\d+) express (\d+)", out.stdout)
         assert len(found) == np_, out.stdout
         assert len({d for _, d, _, _ in found}) == 1, (mode, found)  # every rank alike
         digests[mode] = found[0][1]
         rounds = [int(n) for _, _, n, _ in found]
-        quick = [int(q) for _, _, _, q in found]
+        express = [int(q) for _, _, _, q in found]
         if rounds_on:
             assert all(n >= 1 for n in rounds), (mode, found)
         else:
-            assert rounds == [0] * np_ and quick == [0] * np_, (mode, found)
-        if mode == "rounds":  # the synchronous calls ran their rounds on the calling thread
-            assert all(q >= 1 for q in quick), (mode, found)
+            assert rounds == [0] * np_ and express == [0] * np_, (mode, found)
+        if mode == "rounds":  # the synchronous calls ran their rounds the express way
+            assert all(q >= 1 for q in express), (mode, found)
     assert len(set(digests.values())) == 1, digests
 
 

@@ -38,7 +38,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from horovod.common.dtypes import DTYPE_OF_CODE, NAME_OF_CODE
+from horovod.common.dtypes import CODE_OF, DTYPE_OF_CODE, NAME_OF_CODE
 from horovod.common.exceptions import HorovodInternalError, TransportError, shutdown_message
 from horovod.common.log import logger
 from horovod.core import ops, pool
@@ -59,6 +59,7 @@ from horovod.core.messages import (
     BARRIER,
     BROADCAST,
     CACHEABLE,
+    CPU_DEVICE,
     ERROR,
     FUSIBLE,
     JOIN,
@@ -83,6 +84,9 @@ DUPLICATE_NAME = (
     "different name=."
 )
 
+
+# ``Engine.express``: the op did not take the express way (the caller submits it as usual).
+NOT_EXPRESS: Any = object()
 
 MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
 LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its wait
@@ -275,6 +279,7 @@ class Engine:
             "rounds_posted": 0,  # peer rounds this rank posted ops to
             "rounds_run": 0,  # ... that every rank posted the same to (run without rank 0)
             "quick_rounds": 0,  # ... posted by a waiting thread for a lone op (``_quick``)
+            "express": 0,  # ... of those, synchronous calls that were never submitted
             "slot_outputs": 0,  # allgather results built in this rank's output slots
         }
         self._register(0, range(size))
@@ -324,6 +329,10 @@ class Engine:
         # A lone small cached op that its thread waits for at once runs its data round on
         # that thread without the engine's event handling (``_quick``).
         self.quick = True
+        # ... and the frontends' synchronous calls of such ops skip submission altogether
+        # (``express``); ``express_key`` is the table key of the one in progress, if any.
+        self.express_on = True
+        self.express_key: tuple[int, str] | None = None
         self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
         self.round_cids: list[int] = []
         self.round_tag = 0
@@ -365,7 +374,7 @@ class Engine:
             keys = [e.key for e in entries]
             seen: set[tuple[int, str]] = set()
             for e, k in zip(entries, keys, strict=True):
-                if k in table or k in seen:
+                if k in table or k in seen or k == self.express_key:
                     raise ValueError(
                         DUPLICATE_NAME.format(
                             what=display_name(e.request.op, e.request.name).split(" ")[0],
@@ -679,7 +688,7 @@ class Engine:
         cid = e.cid
         assert cid is not None
         resp = self.sets[0].cache.live[cid]
-        out = self._out_post(e, resp, cid) if resp.op == ALLGATHER else -1
+        out = self._out_post(e.array, e.alloc, resp, cid) if resp.op == ALLGATHER else -1
         if out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
             parts = []
         else:
@@ -710,6 +719,230 @@ class Engine:
             if self._yield:
                 os.sched_yield()  # more ranks than cores: let the one we wait for run
         self._close_round()
+
+    def express(
+        self,
+        op: int,
+        name: str,
+        arr: np.ndarray,
+        out: np.ndarray | None,
+        reduce_op: int,
+        root: int,
+        site: Callable[[], str],
+    ) -> Any:
+        """A frontend's synchronous call of an op that ``_alone`` would admit, run on the
+        calling thread without being submitted at all: no request, entry or handle unless the
+        round cannot be finished here (the quick way still pays for all three, and for the
+        frontend's checks, which cost more than the round itself on a small op).
+
+        ``name``: the core name (``allreduce.x``); ``arr``: a C-contiguous array; ``out``: the
+        result's array for an allreduce or broadcast (``arr`` itself in place, None: a new
+        one), None for an allgather; ``reduce_op`` and ``root`` as in the request (SUM and -1
+        where they do not apply); ``site()``: the caller's file and line, for errors.
+
+        Returns the result, or ``NOT_EXPRESS`` when the op does not qualify: nothing happened
+        then, and the caller submits it as usual (which raises for bad arguments: an op whose
+        request differs from its cached response never qualifies). Whatever the quick way
+        leaves to the general path (a peer slower than the spin, a control message or a
+        submission from another thread arriving, a fallback to rank 0, an allgather's result,
+        an error) gets its entry at that point, in the state a submission would have had, and
+        goes on from there."""
+        if (
+            self.table
+            or self.unsent
+            or self.express_key is not None
+            or not self.express_on
+            or not self.quick
+            or not self.peer_rounds
+            or self.board is None
+            or self.timeline is not None
+            or self.autotuner is not None
+            or not self.fast
+            or self.closing
+            or self._stop_now
+            or self.closed is not None
+        ):
+            return NOT_EXPRESS
+        code = CODE_OF.get(arr.dtype)
+        if code is None:
+            return NOT_EXPRESS
+        ss = self.sets[0]
+        cache = ss.cache
+        sig = (op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, None)
+        cid = cache.lookup(name, sig, ss.set_rank)
+        if cid is None:
+            return NOT_EXPRESS
+        self.express_key = (0, name)  # from here a submission under this name is refused
+        if self.table or not self.drive.acquire(blocking=False):
+            self.express_key = None
+            return NOT_EXPRESS
+        board = self.board
+        t = self.transport
+        resp: Response | None = None
+        try:
+            if not (
+                self.round_items
+                or board.open
+                or self.held
+                or not self.inbox.empty()
+                or not t.ctrl_idle()  # type: ignore[attr-defined]
+                or not cache.enabled
+                or (op == ALLREDUCE and arr.nbytes > self.round_budget)
+                or (self.coordinator is not None and self.coordinator.paused)
+                or (board.opened() and max(board.tags()) >> 1 > self.lists_done)
+            ):
+                resp = cache.live[cid]
+                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
+                if max(sizes) > BOARD_DATA:
+                    resp = None
+        except BaseException:
+            self.express_key = None
+            self.drive.release()
+            raise
+        if resp is None:
+            self.express_key = None
+            self.drive.release()
+            return NOT_EXPRESS
+        if out is None and op != ALLGATHER:
+            out = pool.POOL.empty(arr.shape, arr.dtype)
+        e: Entry | None = None
+        clock = time.perf_counter
+        try:
+            t.set_driving(True)  # type: ignore[attr-defined]
+            deadline = clock() + self.spin_s
+            outk = self._out_post(arr, _np_alloc, resp, cid) if op == ALLGATHER else -1
+            if outk >= 0 or (op == BROADCAST and root != self.rank):
+                parts = []
+            else:
+                raw: Any = arr.reshape(-1).view(np.uint8)
+                parts = [memoryview(raw)]
+            tag = self.lists_done << 1
+            t.board_post((cid,), parts, tag, outk)  # type: ignore[attr-defined]
+            stats = self.stats
+            stats["rounds_posted"] += 1
+            stats["quick_rounds"] += 1
+            stats["express"] += 1
+            inbox = self.inbox
+            due = board.due
+            ready = True
+            polls = 0
+            while not due():
+                polls += 1
+                if polls & 3 == 0 and (  # the board every time, the rest every 4th poll
+                    clock() > deadline
+                    or not inbox.empty()
+                    or not t.ctrl_idle()  # type: ignore[attr-defined]
+                    or t.aborted is not None  # type: ignore[attr-defined]
+                ):
+                    ready = False
+                    break
+                if self._yield:
+                    os.sched_yield()  # more ranks than cores: let the one we wait for run
+            if ready and op != ALLGATHER:
+                posts = board.read()
+                if _decide([(None, resp)], [cid], tag, posts, sizes) == "data":
+                    board.open = False
+                    result = self._express_result(op, resp, arr, out, posts)
+                    self.express_key = None
+                    self._leave(True)
+                    return result
+            # The general path from here, as if the op had been submitted and posted.
+            e = self._express_entry(op, name, arr, out, reduce_op, root, code, cid, site)
+            self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
+            self.round_out = outk
+            self.round_totals = list(sizes)
+            now = self.clock()
+            self.round_posted_at = now
+            self.round_warn_at = now + self.round_warn_s
+            if ready:
+                self._close_round()
+        except BaseException as err:
+            if e is None:
+                e = self._express_entry(op, name, arr, out, reduce_op, root, code, cid, site)
+            if isinstance(err, TransportError):
+                self._abort(str(err))
+            elif isinstance(err, Exception):
+                logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+                self._abort(f"internal error on rank {self.rank}: {type(err).__name__}: {err}")
+            else:  # KeyboardInterrupt, SystemExit: possibly mid-collective
+                self._abort(
+                    f"rank {self.rank} was interrupted ({type(err).__name__}) while running a "
+                    "collective; its collectives cannot continue"
+                )
+            self._leave(e.handle.done())
+            if not isinstance(err, Exception):
+                raise
+            return e.handle.wait()[0]
+        self._drive(e.handle)
+        return e.handle.wait()[0]
+
+    def _express_entry(
+        self,
+        op: int,
+        name: str,
+        arr: np.ndarray,
+        out: np.ndarray | None,
+        reduce_op: int,
+        root: int,
+        code: int,
+        cid: int,
+        site: Callable[[], str],
+    ) -> Entry:
+        """The entry (and handle) that submitting an express op would have made, in the table
+        (or failed at once if the table is closed meanwhile)."""
+        where = site()
+        handle = Handle(1, where)
+        if self.fast:
+            handle.driver = self.run_until
+        req = Request(
+            0, name, op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, -1, site=where
+        )
+        e = Entry(req, arr, out, handle)
+        e.cid = cid
+        with self.lock:
+            if self.closed is not None:
+                handle._complete(0, error=self.closed)
+            else:
+                self.table[(0, name)] = e
+            self.express_key = None
+        return e
+
+    def _express_result(
+        self, op: int, resp: Response, arr: np.ndarray, out: Any, posts: list[tuple]
+    ) -> np.ndarray:
+        """An express allreduce's or broadcast's result from its data round's ``posts``, as
+        ``_run_round`` computes it (the same bits)."""
+        me, n = self.rank, self.size
+        stats = self.stats
+        stats["rounds_run"] += 1
+        stats["responses"] += 1
+        stats["responses_run_by_caller"] += 1
+        if op == ALLREDUCE:
+            stats["eager_responses"] += 1
+            mine = arr.reshape(-1)
+            dtype, count = mine.dtype, mine.size
+            parts = [mine] * n
+            for r, _, _, d, _ in posts:
+                parts[r] = np.frombuffer(d, dtype, count)
+            flat = out.reshape(-1)
+            if (
+                n == 2
+                and resp.prescale == 1.0
+                and resp.postscale == 1.0
+                and resp.reduce_op != AVERAGE
+            ):
+                ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=flat)
+            else:
+                np.copyto(flat, _fold(parts, resp, n))
+            return out  # type: ignore[no-any-return]
+        root = resp.root
+        if root != me:
+            for r, _, _, d, _ in posts:
+                if r == root:
+                    out.reshape(-1).view(np.uint8)[:] = np.frombuffer(d, np.uint8, arr.nbytes)
+        elif out is not arr:
+            np.copyto(out, arr)
+        return out  # type: ignore[no-any-return]
 
     def run_until(self, handle: Handle) -> None:
         """Run the engine on the calling thread until ``handle`` completes, as long as there is
@@ -973,7 +1206,8 @@ class Engine:
         if data:
             me = self.rank
             if len(items) == 1 and items[0][1].op == ALLGATHER:
-                out = self._out_post(items[0][0], items[0][1], cids[0])
+                head = items[0][0]
+                out = self._out_post(head.array, head.alloc, items[0][1], cids[0])
             parts = [
                 memoryview(e.array.reshape(-1).view(np.uint8))
                 for e, resp in items
@@ -992,12 +1226,13 @@ class Engine:
         self.stats["rounds_posted"] += 1
         return True
 
-    def _out_post(self, e: Entry, resp: Response, cid: int) -> int:
-        """An allgather alone in its data round whose result can live in an output slot of
-        this rank (shared memory): copy this rank's block to its place there, where the peers
-        read it from, and return the slot (else -1: the block goes into the post)."""
+    def _out_post(self, array: np.ndarray, alloc: Any, resp: Response, cid: int) -> int:
+        """An allgather (of ``array``, result allocated by ``alloc``) alone in its data round
+        whose result can live in an output slot of this rank (shared memory): copy this rank's
+        block to its place there, where the peers read it from, and return the slot (else -1:
+        the block goes into the post)."""
         t = self.transport
-        if e.alloc is not _np_alloc or not getattr(t, "outputs", False):
+        if alloc is not _np_alloc or not getattr(t, "outputs", False):
             return -1
         sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
         me = self.rank
@@ -1008,7 +1243,7 @@ class Engine:
         if k >= 0:
             at = sum(sizes[:me])
             owner = t.out_owners[k]  # type: ignore[attr-defined]
-            owner[at : at + nb] = e.array.reshape(-1).view(np.uint8)
+            owner[at : at + nb] = array.reshape(-1).view(np.uint8)
         return k
 
     def _round_step(self) -> None:
@@ -1497,7 +1732,7 @@ def _fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
 
 
 def _decide(
-    items: list[tuple[Entry, Response]],
+    items: Sequence[tuple[Entry | None, Response]],
     cids: list[int],
     tag: int,
     posts: list[tuple],
