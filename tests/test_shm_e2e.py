@@ -346,6 +346,45 @@ def test_synchronous_numpy_calls_go_express_and_still_check_their_arguments():
     assert re.findall(r"after \d (\d+)", out.stdout) == ["0", "0"], out.stdout
 
 
+def test_synchronous_torch_calls_go_express_unless_autograd_needs_the_call():
+    """horovod.torch's synchronous calls on plain CPU tensors (a metric's allreduce, in-place
+    allreduce_ and broadcast_, broadcast, allgather; bfloat16 and bool too) take the express
+    way once cached, with exact results; a tensor that requires grad still goes through the
+    autograd function, and its gradient flows back."""
+    pytest.importorskip("torch")
+    script = """
+        import torch, horovod.torch as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r = hvd.rank()
+        stats = current().engine.stats
+        for step in range(30):
+            m = hvd.allreduce(torch.tensor([float(r + step)]), name="loss")
+            assert m.item() == step + 0.5, m
+            x = torch.full((3,), r + step, dtype=torch.bfloat16)
+            assert hvd.allreduce_(x, op=hvd.Sum, name="s") is x and (x == 2 * step + 1).all()
+            f = torch.tensor([r == 1, False])
+            assert hvd.allreduce(f, op=hvd.Max, name="f").tolist() == [True, False]
+            y = torch.full((2,), r + step, dtype=torch.int64)
+            assert hvd.broadcast_(y, 1, name="y") is y and (y == 1 + step).all()
+            assert (hvd.broadcast(torch.full((2,), float(r)), 0, name="z") == 0).all()
+            g = hvd.allgather(torch.full((r + 1,), r + step), name="g")
+            assert g.tolist() == [step, 1 + step, 1 + step], g
+        print("express", r, stats["express"], flush=True)
+        before = stats["express"]
+        w = torch.full((2,), float(r + 1), requires_grad=True)
+        out = hvd.allreduce(w, name="w", op=hvd.Sum)
+        (out * out).sum().backward()
+        assert out.grad_fn is not None and w.grad.tolist() == [12.0, 12.0], w.grad
+        print("grad", r, stats["express"] - before, flush=True)
+    """
+    out = run_script(script, np_=2)
+    assert out.returncode == 0, out.stdout + out.stderr
+    counts = [int(c) for c in re.findall(r"express \d (\d+)", out.stdout)]
+    assert len(counts) == 2 and all(c >= 120 for c in counts), out.stdout  # of 6 x 29 cached
+    assert re.findall(r"grad \d (\d+)", out.stdout) == ["0", "0"], out.stdout
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
     """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer

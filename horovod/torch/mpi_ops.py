@@ -85,6 +85,20 @@ def _inplace_view(t: torch.Tensor) -> np.ndarray:
     return to_numpy(t)
 
 
+def _plain(t: Any, grad_ok: bool = False) -> bool:
+    """May a synchronous call on ``t`` try the express way (``Engine.express``): a contiguous
+    dense CPU tensor of a supported dtype, and (unless ``grad_ok``, for the in-place calls)
+    no autograd graph to record? Anything else goes the usual way, with its checks."""
+    return (
+        type(t) is torch.Tensor
+        and (grad_ok or not t.requires_grad)
+        and t.device.type == "cpu"
+        and t.dtype in _SUPPORTED
+        and t.layout is torch.strided
+        and t.is_contiguous()
+    )
+
+
 # ------------------------------------------------------------------------------ handles
 def poll(handle: int) -> bool:
     return F.poll(handle)
@@ -233,6 +247,16 @@ def allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
+    if (
+        average is None
+        and process_set is global_process_set
+        and F._unit(prescale_factor, postscale_factor)
+        and _plain(tensor, grad_ok=True)
+    ):
+        a = to_numpy(tensor)
+        got = F._express(F.ALLREDUCE, "allreduce.", name, a, a, Average if op is None else op)
+        if got is not F.NOT_EXPRESS:
+            return tensor
     return _sync(
         allreduce_async_, tensor, average, name, op, prescale_factor, postscale_factor, process_set
     )
@@ -282,6 +306,17 @@ def allreduce(
     from horovod.torch.compression import Compression
 
     compression = compression or Compression.none
+    if (
+        average is None
+        and process_set is global_process_set
+        and compression is Compression.none
+        and F._unit(prescale_factor, postscale_factor)
+        and _plain(tensor)
+    ):
+        a = to_numpy(tensor)
+        got = F._express(F.ALLREDUCE, "allreduce.", name, a, None, Average if op is None else op)
+        if got is not F.NOT_EXPRESS:
+            return from_numpy(got)
     op = F._reduce_op(op, average, "allreduce")
     compressed, cctx = compression.compress(tensor)
     out = HorovodAllreduce.apply(
@@ -496,6 +531,10 @@ def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Concatenation of every rank's tensor along dim 0, in rank order (differentiable)."""
+    if process_set is global_process_set and _plain(tensor):
+        got = F._express(F.ALLGATHER, "allgather.", name, to_numpy(tensor), None)
+        if got is not F.NOT_EXPRESS:
+            return from_numpy(got)
     return HorovodAllgather.apply(tensor, name, process_set)
 
 
@@ -550,6 +589,11 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
+    if process_set is global_process_set and type(root_rank) is int and _plain(tensor, True):
+        a = to_numpy(tensor)
+        got = F._express(F.BROADCAST, "broadcast.", name, a, a, F.Sum, root_rank)
+        if got is not F.NOT_EXPRESS:
+            return tensor
     return _sync(broadcast_async_, tensor, root_rank, name, process_set)
 
 
@@ -576,6 +620,10 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """``root_rank``'s tensor on every rank, as a new tensor (differentiable)."""
+    if process_set is global_process_set and type(root_rank) is int and _plain(tensor):
+        got = F._express(F.BROADCAST, "broadcast.", name, to_numpy(tensor), None, F.Sum, root_rank)
+        if got is not F.NOT_EXPRESS:
+            return from_numpy(got)
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
