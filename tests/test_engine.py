@@ -848,9 +848,8 @@ def _sync(eng, op: int, name: str, x: np.ndarray, out=None, reduce_op: int = 1, 
 def test_express_calls_give_exact_results_without_entering_the_table(n):
     """Synchronous calls of small cached ops (in-place and new-array allreduces with Sum,
     Max and Average, broadcasts in place and into a new array, allgathers of different
-    lengths per rank) take the express way once cached: no entry is ever made for the
-    allreduces and broadcasts (the table stays empty), an allgather gets one only to build
-    its result, and every result is exact."""
+    lengths per rank) take the express way once cached: no entry is ever made (the table
+    stays empty), and every result is exact."""
     from horovod.core.messages import AVERAGE, MAX, SUM
 
     engines = _shm_engines(n)

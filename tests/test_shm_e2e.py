@@ -559,7 +559,7 @@ def test_allgather_results_in_output_slots_stay_exact_while_held_and_changed(np_
             assert np.array_equal(out, expect(200 + step)), ("mixed", step)
             assert r != 1 or not slotted(out)
             del out
-        print("slots", r, in_slots, eng.stats["slot_outputs"], flush=True)
+        print("slots", r, in_slots, eng.stats["slot_outputs"], eng.stats["express"], flush=True)
         # A result outlives the job's shared memory: the mapping stays while it is viewed.
         kept = [hvd.allgather(mine(300 + i), name="ag") for i in range(3)]
         was = any(slotted(k) for k in kept)
@@ -572,13 +572,15 @@ def test_allgather_results_in_output_slots_stay_exact_while_held_and_changed(np_
     for env, on in [({}, True), ({"HOROVOD_OUTPUT_POOL_BYTES": "0"}, False)]:
         out = run_script(script, np_=np_, env=env, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
-        found = re.findall(r"slots (\d) (\d+) (\d+)", out.stdout)
+        found = re.findall(r"slots (\d) (\d+) (\d+) (\d+)", out.stdout)
         assert len(found) == np_, out.stdout
         kept = re.findall(r"kept \d (True|False)", out.stdout)
         assert len(kept) == np_ and ("True" in kept) == on, out.stdout
-        for _rank, held_in_slots, total in found:
+        for _rank, held_in_slots, total, express in found:
             if on:
-                # Steps 1-5 are rounds: the first two held results fill both slots.
+                # Steps 1-5 are rounds (most of them express calls): the first two held
+                # results fill both slots.
                 assert 1 <= int(held_in_slots) <= 2 and int(total) >= 4, found
+                assert int(express) >= 1, found
             else:
                 assert int(held_in_slots) == 0 and int(total) == 0, found

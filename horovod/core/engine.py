@@ -838,11 +838,11 @@ class Engine:
                     break
                 if self._yield:
                     os.sched_yield()  # more ranks than cores: let the one we wait for run
-            if ready and op != ALLGATHER:
+            if ready:
                 posts = board.read()
                 if _decide([(None, resp)], [cid], tag, posts, sizes) == "data":
                     board.open = False
-                    result = self._express_result(op, resp, arr, out, posts)
+                    result = self._express_result(op, resp, arr, out, posts, outk)
                     self.express_key = None
                     self._leave(True)
                     return result
@@ -908,15 +908,26 @@ class Engine:
         return e
 
     def _express_result(
-        self, op: int, resp: Response, arr: np.ndarray, out: Any, posts: list[tuple]
+        self, op: int, resp: Response, arr: np.ndarray, out: Any, posts: list[tuple], outk: int
     ) -> np.ndarray:
-        """An express allreduce's or broadcast's result from its data round's ``posts``, as
-        ``_run_round`` computes it (the same bits)."""
+        """An express call's result from its data round's ``posts`` (``outk``: this rank's
+        output slot holding its block of an allgather, or -1), as ``_run_round`` computes it
+        (the same bits)."""
         me, n = self.rank, self.size
         stats = self.stats
         stats["rounds_run"] += 1
         stats["responses"] += 1
         stats["responses_run_by_caller"] += 1
+        if op == ALLGATHER:
+            data: list[Any] = [None] * n
+            outs = [-1] * n
+            for r, _, _, d, o in posts:
+                data[r] = d
+                outs[r] = o
+            outs[me] = outk
+            res = self._gathered(resp, arr, _np_alloc, data, [0] * n, outs)
+            self._out_done(outs)
+            return res
         if op == ALLREDUCE:
             stats["eager_responses"] += 1
             mine = arr.reshape(-1)
@@ -1406,31 +1417,7 @@ class Engine:
                 tl.ops_start(rows, OP_NAMES[op])
                 tl.activity(rows, "PEER_" + OP_NAMES[op].upper())
             if op == ALLGATHER:
-                assert resp.dim0s is not None
-                shape = (sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:])
-                t = self.transport
-                if out >= 0:  # this rank's block is in place already
-                    self.stats["slot_outputs"] += 1
-                    owner = t.out_owners[out]  # type: ignore[attr-defined]
-                    res = owner[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-                else:
-                    res = got.alloc(shape, dtype)
-                flat = res.reshape(-1).view(np.uint8)
-                at = 0
-                for r in range(n):
-                    nb = _posted(resp, r)
-                    if outs[r] >= 0:
-                        if r != me:  # the peer's block, at the same place of its result
-                            src = t.peer_out(r, outs[r])  # type: ignore[attr-defined]
-                            flat[at : at + nb] = np.frombuffer(src, np.uint8, nb, at)
-                    else:
-                        flat[at : at + nb] = (
-                            got.array.reshape(-1).view(np.uint8)
-                            if r == me
-                            else np.frombuffer(data[r], np.uint8, nb, offs[r])
-                        )
-                        offs[r] += nb
-                    at += nb
+                res = self._gathered(resp, got.array, got.alloc, data, offs, outs)
                 self._out_done(outs)
             else:  # BROADCAST
                 root = resp.root
@@ -1446,6 +1433,48 @@ class Engine:
                 tl.activity(rows, None)
                 tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
             got.handle._complete(got.index, res)
+
+    def _gathered(
+        self,
+        resp: Response,
+        array: np.ndarray,
+        alloc: Any,
+        data: list[Any],
+        offs: list[int],
+        outs: list[int],
+    ) -> np.ndarray:
+        """A data round's allgather result: this rank's ``array`` and the peers' blocks, from
+        their posts (``data[r]`` at ``offs[r]``, advanced past them) or their output slots
+        (``outs[r]``; ``outs[me]``: this rank's block is in its own slot, which is then the
+        result; else ``alloc`` makes it)."""
+        me, n = self.rank, self.size
+        dtype = array.dtype
+        assert resp.dim0s is not None
+        shape = (sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:])
+        t = self.transport
+        if outs[me] >= 0:  # this rank's block is in place already
+            self.stats["slot_outputs"] += 1
+            owner = t.out_owners[outs[me]]  # type: ignore[attr-defined]
+            res = owner[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+        else:
+            res = alloc(shape, dtype)
+        flat = res.reshape(-1).view(np.uint8)
+        at = 0
+        for r in range(n):
+            nb = _posted(resp, r)
+            if outs[r] >= 0:
+                if r != me:  # the peer's block, at the same place of its result
+                    src = t.peer_out(r, outs[r])  # type: ignore[attr-defined]
+                    flat[at : at + nb] = np.frombuffer(src, np.uint8, nb, at)
+            else:
+                flat[at : at + nb] = (
+                    array.reshape(-1).view(np.uint8)
+                    if r == me
+                    else np.frombuffer(data[r], np.uint8, nb, offs[r])
+                )
+                offs[r] += nb
+            at += nb
+        return res  # type: ignore[no-any-return]
 
     def _out_done(self, outs: list[int]) -> None:
         """After reading a lone allgather's round: tell the peers whose output slots it read
