@@ -660,6 +660,14 @@ def _submit_op(
     return h
 
 
+def _cache_w(engines) -> None:
+    """Three asynchronous allreduces of "w" (2 int64) on every rank: the first negotiates at
+    rank 0, then the response is cached."""
+    for step in range(3):
+        outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
+        assert all((h.wait()[0] == 2 * step).all() for h in outs)
+
+
 def _waited(eng, op: int, name: str, x: np.ndarray, root: int = -1):
     """A synchronous call: submit with ``wake=False`` and wait at once."""
     return _submit_op(eng, op, name, x, root, wake=False).wait()[0]
@@ -750,9 +758,7 @@ def test_no_quick_round_while_another_op_is_in_flight_on_the_rank():
     way, and both complete once the root submits."""
     engines = _shm_engines(2)
     try:
-        for step in range(3):  # cache the allreduce
-            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
-            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        _cache_w(engines)
         quick = [e.stats["quick_rounds"] for e in engines]
         pending = _submit_op(engines[1], BROADCAST, "p", np.full(2, 1, np.int64), 0)
         got: list = []
@@ -778,9 +784,7 @@ def test_a_failure_while_checking_for_the_quick_way_leaves_the_engine_free():
     fails with the error, and the next synchronous calls work."""
     engines = _shm_engines(2)
     try:
-        for step in range(3):
-            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
-            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        _cache_w(engines)
         t = engines[1].transport
 
         def broken():
@@ -935,9 +939,7 @@ def test_a_submission_under_the_name_of_an_express_call_in_progress_is_refused()
     exactly as if the first had been submitted; the express call then completes."""
     engines = _shm_engines(2)
     try:
-        for step in range(3):
-            outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
-            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        _cache_w(engines)
         engines[0].spin_s = 5.0  # rank 0 spins for its peer's post as long as the test needs
         got: list = []
         t = threading.Thread(
@@ -1020,9 +1022,7 @@ def test_a_failure_inside_an_express_call_fails_the_call_with_its_site_and_the_j
     for kind in (TransportError, KeyboardInterrupt):
         engines = _shm_engines(2)
         try:
-            for step in range(3):
-                outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, step, np.int64)) for e in engines]
-                assert all((h.wait()[0] == 2 * step).all() for h in outs)
+            _cache_w(engines)
 
             def broken(*a, kind=kind, **k):
                 raise kind("the board broke")

@@ -640,20 +640,9 @@ class Engine:
         if not self.drive.acquire(blocking=False):
             return False
         try:
-            board = self.board
             ss = self.sets[0]
             cid = None
-            if (
-                not self.round_items
-                and not board.open
-                and not self.held
-                and self.inbox.empty()
-                and self.transport.ctrl_idle()  # type: ignore[attr-defined]
-                and ss.cache.enabled
-                and (op != ALLREDUCE or e.array.nbytes <= self.round_budget)
-                and (self.coordinator is None or not self.coordinator.paused)
-                and (not board.opened() or max(board.tags()) >> 1 <= self.lists_done)
-            ):
+            if self._may_post(op, e.array.nbytes):
                 cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
             if cid is not None:
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, ss.cache.live[cid])
@@ -665,6 +654,75 @@ class Engine:
             raise
         self.drive.release()
         return False
+
+    def _may_post(self, op: int, nbytes: int) -> bool:
+        """(``drive`` held.) May this rank post a lone data round of ``op`` (``nbytes``) now:
+        no round open and no lists held, nothing in the inbox or the control rings, the cache
+        on, an allreduce within the eager budget, the coordinator not paused, and no peer's
+        post made after lists this rank has yet to process?"""
+        board = self.board
+        assert board is not None
+        return (
+            not self.round_items
+            and not board.open
+            and not self.held
+            and self.inbox.empty()
+            and self.transport.ctrl_idle()  # type: ignore[attr-defined]
+            and self.sets[0].cache.enabled
+            and (op != ALLREDUCE or nbytes <= self.round_budget)
+            and (self.coordinator is None or not self.coordinator.paused)
+            and (not board.opened() or max(board.tags()) >> 1 <= self.lists_done)
+        )
+
+    def _post_lone(self, cid: int, resp: Response, array: np.ndarray, alloc: Any) -> tuple:
+        """Post a lone op's data round (``drive`` held): its data, or an allgather's block in
+        an output slot; returns (tag, output slot or -1)."""
+        out = self._out_post(array, alloc, resp, cid) if resp.op == ALLGATHER else -1
+        if out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
+            parts = []
+        else:
+            raw: Any = array.reshape(-1).view(np.uint8)
+            parts = [memoryview(raw)]
+        tag = self.lists_done << 1
+        self.transport.board_post((cid,), parts, tag, out)  # type: ignore[attr-defined]
+        stats = self.stats
+        stats["rounds_posted"] += 1
+        stats["quick_rounds"] += 1
+        return tag, out
+
+    def _open_round(self, e: Entry, resp: Response, cid: int, tag: int, out: int) -> None:
+        """The round state of a lone op posted by ``_post_lone``, as the general path keeps
+        it for an open round."""
+        self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
+        self.round_out = out
+        self.round_totals = list(self._posted_by_cid[cid])
+        now = self.clock()
+        self.round_posted_at = now
+        self.round_warn_at = now + self.round_warn_s
+
+    def _await_posts(self, deadline: float) -> bool:
+        """Poll the board until every peer has posted this rank's open round (True), or give
+        up (False) past ``deadline``, when something else arrives (a control message, a
+        submission) or the transport aborts."""
+        t = self.transport
+        board = self.board
+        assert board is not None
+        clock = time.perf_counter
+        inbox = self.inbox
+        due = board.due
+        polls = 0
+        while not due():
+            polls += 1
+            if polls & 3 == 0 and (  # the board every time, the rest every 4th poll
+                clock() > deadline
+                or not inbox.empty()
+                or not t.ctrl_idle()  # type: ignore[attr-defined]
+                or t.aborted is not None  # type: ignore[attr-defined]
+            ):
+                return False
+            if self._yield:
+                os.sched_yield()  # more ranks than cores: let the one we wait for run
+        return True
 
     def _posted_sizes(self, cid: int, resp: Response) -> tuple[int, ...]:
         """Bytes each rank posts for cached op ``cid`` in a data round (memoized)."""
@@ -682,43 +740,13 @@ class Engine:
         submission from another thread) or a longer wait leaves the state as the general path
         would have it, and ``run_until`` (``_drive``) or the engine thread goes on from there.
         A peer that posted something else makes the round fall back to rank 0 as usual."""
-        t = self.transport
-        board = self.board
-        assert board is not None
         cid = e.cid
         assert cid is not None
         resp = self.sets[0].cache.live[cid]
-        out = self._out_post(e.array, e.alloc, resp, cid) if resp.op == ALLGATHER else -1
-        if out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
-            parts = []
-        else:
-            parts = [memoryview(e.array.reshape(-1).view(np.uint8))]
-        tag = self.lists_done << 1
-        t.board_post((cid,), parts, tag, out)  # type: ignore[attr-defined]
-        self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
-        self.round_out = out
-        self.round_totals = list(self._posted_by_cid[cid])
-        now = self.clock()
-        self.round_posted_at = now
-        self.round_warn_at = now + self.round_warn_s
-        self.stats["rounds_posted"] += 1
-        self.stats["quick_rounds"] += 1
-        clock = time.perf_counter
-        inbox = self.inbox
-        due = board.due
-        polls = 0
-        while not due():
-            polls += 1
-            if polls & 3 == 0 and (  # the board every time, the rest every 4th poll
-                clock() > deadline
-                or not inbox.empty()
-                or not t.ctrl_idle()  # type: ignore[attr-defined]
-                or t.aborted is not None  # type: ignore[attr-defined]
-            ):
-                return
-            if self._yield:
-                os.sched_yield()  # more ranks than cores: let the one we wait for run
-        self._close_round()
+        tag, out = self._post_lone(cid, resp, e.array, e.alloc)
+        self._open_round(e, resp, cid, tag, out)
+        if self._await_posts(deadline):
+            self._close_round()
 
     def express(
         self,
@@ -776,21 +804,9 @@ class Engine:
         if self.table or not self.drive.acquire(blocking=False):
             self.express_key = None
             return NOT_EXPRESS
-        board = self.board
-        t = self.transport
         resp: Response | None = None
         try:
-            if not (
-                self.round_items
-                or board.open
-                or self.held
-                or not self.inbox.empty()
-                or not t.ctrl_idle()  # type: ignore[attr-defined]
-                or not cache.enabled
-                or (op == ALLREDUCE and arr.nbytes > self.round_budget)
-                or (self.coordinator is not None and self.coordinator.paused)
-                or (board.opened() and max(board.tags()) >> 1 > self.lists_done)
-            ):
+            if self._may_post(op, arr.nbytes):
                 resp = cache.live[cid]
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
                 if max(sizes) > BOARD_DATA:
@@ -806,38 +822,13 @@ class Engine:
         if out is None and op != ALLGATHER:
             out = pool.POOL.empty(arr.shape, arr.dtype)
         e: Entry | None = None
-        clock = time.perf_counter
+        board = self.board
         try:
-            t.set_driving(True)  # type: ignore[attr-defined]
-            deadline = clock() + self.spin_s
-            outk = self._out_post(arr, _np_alloc, resp, cid) if op == ALLGATHER else -1
-            if outk >= 0 or (op == BROADCAST and root != self.rank):
-                parts = []
-            else:
-                raw: Any = arr.reshape(-1).view(np.uint8)
-                parts = [memoryview(raw)]
-            tag = self.lists_done << 1
-            t.board_post((cid,), parts, tag, outk)  # type: ignore[attr-defined]
-            stats = self.stats
-            stats["rounds_posted"] += 1
-            stats["quick_rounds"] += 1
-            stats["express"] += 1
-            inbox = self.inbox
-            due = board.due
-            ready = True
-            polls = 0
-            while not due():
-                polls += 1
-                if polls & 3 == 0 and (  # the board every time, the rest every 4th poll
-                    clock() > deadline
-                    or not inbox.empty()
-                    or not t.ctrl_idle()  # type: ignore[attr-defined]
-                    or t.aborted is not None  # type: ignore[attr-defined]
-                ):
-                    ready = False
-                    break
-                if self._yield:
-                    os.sched_yield()  # more ranks than cores: let the one we wait for run
+            self.transport.set_driving(True)  # type: ignore[attr-defined]
+            deadline = time.perf_counter() + self.spin_s
+            tag, outk = self._post_lone(cid, resp, arr, _np_alloc)
+            self.stats["express"] += 1
+            ready = self._await_posts(deadline)
             if ready:
                 posts = board.read()
                 if _decide([(None, resp)], [cid], tag, posts, sizes) == "data":
@@ -848,27 +839,13 @@ class Engine:
                     return result
             # The general path from here, as if the op had been submitted and posted.
             e = self._express_entry(op, name, arr, out, reduce_op, root, code, cid, site)
-            self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
-            self.round_out = outk
-            self.round_totals = list(sizes)
-            now = self.clock()
-            self.round_posted_at = now
-            self.round_warn_at = now + self.round_warn_s
+            self._open_round(e, resp, cid, tag, outk)
             if ready:
                 self._close_round()
         except BaseException as err:
             if e is None:
                 e = self._express_entry(op, name, arr, out, reduce_op, root, code, cid, site)
-            if isinstance(err, TransportError):
-                self._abort(str(err))
-            elif isinstance(err, Exception):
-                logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
-                self._abort(f"internal error on rank {self.rank}: {type(err).__name__}: {err}")
-            else:  # KeyboardInterrupt, SystemExit: possibly mid-collective
-                self._abort(
-                    f"rank {self.rank} was interrupted ({type(err).__name__}) while running a "
-                    "collective; its collectives cannot continue"
-                )
+            self._driving_failed(err)
             self._leave(e.handle.done())
             if not isinstance(err, Exception):
                 raise
@@ -992,19 +969,27 @@ class Engine:
                     break
                 elif self._yield:
                     os.sched_yield()  # more ranks than cores: let the one we wait for run
-        except TransportError as e:
-            self._abort(str(e))
-        except Exception as e:
-            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
-            self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
-        except BaseException as e:  # KeyboardInterrupt, SystemExit: possibly mid-collective
-            self._abort(
-                f"rank {self.rank} was interrupted ({type(e).__name__}) while running a "
-                "collective; its collectives cannot continue"
-            )
-            raise
+        except BaseException as e:
+            self._driving_failed(e)
+            if not isinstance(e, Exception):
+                raise
         finally:
             self._leave(handle.done())
+
+    def _driving_failed(self, err: BaseException) -> None:
+        """``err`` escaped while a waiting thread ran the engine: abort the job with its
+        reason (a transport error's, an internal error logged with its traceback, or an
+        interrupt: KeyboardInterrupt, SystemExit, possibly mid-collective)."""
+        if isinstance(err, TransportError):
+            self._abort(str(err))
+        elif isinstance(err, Exception):
+            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+            self._abort(f"internal error on rank {self.rank}: {type(err).__name__}: {err}")
+        else:
+            self._abort(
+                f"rank {self.rank} was interrupted ({type(err).__name__}) while running a "
+                "collective; its collectives cannot continue"
+            )
 
     def _leave(self, done: bool) -> None:
         """Release ``drive`` after running the engine on a waiting thread (``done``: its
