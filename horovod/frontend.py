@@ -277,12 +277,25 @@ _NUMBERS = (float, int)
 
 
 def _express(
-    op: int, prefix: str, name: Any, arr: Any, out: Any, reduce_op: int = SUM, root: int = -1
+    op: int,
+    prefix: str,
+    name: Any,
+    arr: Any,
+    out: Any,
+    process_set: Any,
+    reduce_op: int = SUM,
+    root: Any = -1,
 ) -> Any:
     """A synchronous call of a named op on a C-contiguous NumPy array of the global set: try
     the engine's express way (``Engine.express``: no submission at all when the op is a lone
     small cached one). ``NOT_EXPRESS``: submit it as usual."""
-    if type(arr) is not np.ndarray or type(name) is not str or not name:
+    if (
+        type(arr) is not np.ndarray
+        or type(name) is not str
+        or not name
+        or process_set is not global_process_set
+        or type(root) is not int
+    ):
         return NOT_EXPRESS
     ctx = _context.current()
     if ctx is None:
@@ -293,9 +306,21 @@ def _express(
     return ctx.engine.express(op, prefix + name, arr, out, reduce_op, root, _callsite)
 
 
-def _unit(pre: Any, post: Any) -> bool:
-    """Both scale factors 1 (plain numbers)?"""
-    return type(pre) in _NUMBERS and type(post) in _NUMBERS and pre == 1 and post == 1
+def _express_allreduce(
+    name: Any, arr: Any, out: Any, op: Any, average: Any, pre: Any, post: Any, process_set: Any
+) -> Any:
+    """``_express`` for an allreduce: only with the default ``average`` and scale factors of
+    exactly 1 (plain numbers); ``op`` None is Average."""
+    if (
+        average is not None
+        or type(pre) not in _NUMBERS
+        or type(post) not in _NUMBERS
+        or pre != 1
+        or post != 1
+    ):
+        return NOT_EXPRESS
+    reduce_op = AVERAGE if op is None else op
+    return _express(ALLREDUCE, "allreduce.", name, arr, out, process_set, reduce_op)
 
 
 def _array(tensor: Any, what: str) -> np.ndarray:
@@ -756,13 +781,10 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """Reduce ``tensor`` over all ranks of ``process_set``; returns a new array."""
-    if (
-        average is None
-        and process_set is global_process_set
-        and compression is Compression.none
-        and _unit(prescale_factor, postscale_factor)
-    ):
-        got = _express(ALLREDUCE, "allreduce.", name, tensor, None, AVERAGE if op is None else op)
+    if compression is Compression.none:
+        got = _express_allreduce(
+            name, tensor, None, op, average, prescale_factor, postscale_factor, process_set
+        )
         if got is not NOT_EXPRESS:
             return got  # type: ignore[no-any-return]
     op = _reduce_op(op, average, "allreduce")
@@ -813,14 +835,11 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """In-place allreduce; returns ``tensor``."""
-    if (
-        average is None
-        and process_set is global_process_set
-        and _unit(prescale_factor, postscale_factor)
-    ):
-        got = _express(ALLREDUCE, "allreduce.", name, tensor, tensor, AVERAGE if op is None else op)
-        if got is not NOT_EXPRESS:
-            return got  # type: ignore[no-any-return]
+    got = _express_allreduce(
+        name, tensor, tensor, op, average, prescale_factor, postscale_factor, process_set
+    )
+    if got is not NOT_EXPRESS:
+        return got  # type: ignore[no-any-return]
     with waited():
         h = allreduce_async_(
             tensor, average, name, op, prescale_factor, postscale_factor, process_set
@@ -931,10 +950,9 @@ def allgather(
 ) -> np.ndarray:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order; the first
     dimension may differ between ranks."""
-    if process_set is global_process_set:
-        got = _express(ALLGATHER, "allgather.", name, tensor, None)
-        if got is not NOT_EXPRESS:
-            return got  # type: ignore[no-any-return]
+    got = _express(ALLGATHER, "allgather.", name, tensor, None, process_set)
+    if got is not NOT_EXPRESS:
+        return got  # type: ignore[no-any-return]
     with waited():
         h = allgather_async(tensor, name, process_set)
     return synchronize(h)
@@ -979,10 +997,9 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """``root_rank``'s ``tensor`` on every rank (a new array)."""
-    if process_set is global_process_set and type(root_rank) is int:
-        got = _express(BROADCAST, "broadcast.", name, tensor, None, SUM, root_rank)
-        if got is not NOT_EXPRESS:
-            return got  # type: ignore[no-any-return]
+    got = _express(BROADCAST, "broadcast.", name, tensor, None, process_set, SUM, root_rank)
+    if got is not NOT_EXPRESS:
+        return got  # type: ignore[no-any-return]
     with waited():
         h = broadcast_async(tensor, root_rank, name, process_set)
     return synchronize(h)
@@ -1005,10 +1022,9 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
-    if process_set is global_process_set and type(root_rank) is int:
-        got = _express(BROADCAST, "broadcast.", name, tensor, tensor, SUM, root_rank)
-        if got is not NOT_EXPRESS:
-            return got  # type: ignore[no-any-return]
+    got = _express(BROADCAST, "broadcast.", name, tensor, tensor, process_set, SUM, root_rank)
+    if got is not NOT_EXPRESS:
+        return got  # type: ignore[no-any-return]
     with waited():
         h = broadcast_async_(tensor, root_rank, name, process_set)
     return synchronize(h)

@@ -701,19 +701,32 @@ def test_lone_waited_ops_run_their_round_on_the_calling_thread(n):
         _stop_all(engines)
 
 
-def test_a_quick_round_that_the_peers_answer_differently_goes_through_rank_0():
-    """Rank 0 runs lone synchronous ops quick while rank 1 submits the same two ops
-    asynchronously in the other order (its round, if any, is for the other op, and while it
-    has ops in flight it answers rank 0's rounds with nothing): the quick rounds fall back to
-    rank 0 and every result is exact. Rank 1 never runs a quick round."""
+def _lone(way: str, eng, op: int, name: str, x: np.ndarray, root: int = -1):
+    """A synchronous call the ``way`` given: "quick" (submitted, ``_quick``) or "express"
+    (``Engine.express``, submitted only if it does not qualify)."""
+    if way == "quick":
+        return _waited(eng, op, name, x, root)
+    return _sync(eng, op, name, x, root=root)[0]
+
+
+LONE = {"quick": "quick_rounds", "express": "express"}  # way -> its counter
+
+
+@pytest.mark.parametrize("way", sorted(LONE))
+def test_a_lone_round_that_the_peers_answer_differently_goes_through_rank_0(way):
+    """Rank 0 runs lone synchronous ops the quick or express way while rank 1 submits the
+    same two ops asynchronously in the other order (its round, if any, is for the other op,
+    and while it has ops in flight it answers rank 0's rounds with nothing): rank 0's rounds
+    fall back to rank 0 (an express call gets its entry then) and every result is exact.
+    Rank 1 never runs a quick round."""
     engines = _shm_engines(2)
     try:
 
         def rank(r, eng):
             for step in range(30):
                 if r == 0:
-                    a = _waited(eng, ALLREDUCE, "a", np.full(2, step, np.float64))
-                    b = _waited(eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
+                    a = _lone(way, eng, ALLREDUCE, "a", np.full(2, step, np.float64))
+                    b = _lone(way, eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
                 else:
                     # In the other order: rank 1 posts a round for "b" (or "b" and "a")
                     # that rank 0's round for "a" disagrees with.
@@ -723,17 +736,19 @@ def test_a_quick_round_that_the_peers_answer_differently_goes_through_rank_0():
                 assert (a == step + 1).all() and (b == 2 * step + 2).all(), (r, step, a, b)
 
         _race(rank, engines, 60)
-        assert engines[0].stats["quick_rounds"] >= 20, engines[0].stats
+        assert engines[0].stats[LONE[way]] >= 20, engines[0].stats
         assert engines[1].stats["quick_rounds"] == 0, engines[1].stats
         assert engines[0].stats["rounds_run"] <= 2, engines[0].stats  # fallbacks, not rounds
     finally:
         _stop_all(engines)
 
 
-def test_a_quick_round_whose_peer_posts_late_is_finished_by_the_general_path():
+@pytest.mark.parametrize("way", sorted(LONE))
+def test_a_lone_round_whose_peer_posts_late_is_finished_by_the_general_path(way):
     """Rank 1 reaches each op 20 ms after rank 0, far past rank 0's spin: rank 0's quick
-    round stops waiting and the general path (its waiting thread, then its engine thread)
-    finishes it once rank 1 posts. The rounds still run (no fallback), results are exact."""
+    round (or express call, which makes its entry then) stops waiting and the general path
+    (its waiting thread, then its engine thread) finishes it once rank 1 posts. The rounds
+    still run (no fallback), results are exact, nothing is left in the table."""
     engines = _shm_engines(2)
     try:
 
@@ -741,13 +756,14 @@ def test_a_quick_round_whose_peer_posts_late_is_finished_by_the_general_path():
             for step in range(12):
                 if r == 1:
                     time.sleep(0.02)
-                out = _waited(eng, ALLREDUCE, "late", np.full(4, r + step, np.float32))
+                out = _lone(way, eng, ALLREDUCE, "late", np.full(4, r + step, np.float32))
                 assert (out == 2 * step + 1).all(), (r, step, out)
 
         _race(rank, engines, 60)
         for e in engines:
-            assert e.stats["quick_rounds"] >= 10, e.stats
+            assert e.stats[LONE[way]] >= 10, e.stats
             assert e.stats["rounds_run"] >= 10, e.stats
+            assert not e.table
     finally:
         _stop_all(engines)
 
@@ -892,7 +908,8 @@ def test_express_calls_give_exact_results_without_entering_the_table(n):
 def test_express_refuses_what_it_cannot_run_and_leaves_no_trace():
     """An uncached name, a request that differs from the cached one (dtype, shape, reduce
     op, root), the express way switched off, or another op in flight on the rank: the call
-    returns ``NOT_EXPRESS`` with nothing posted, no entry made, the engine free."""
+    returns ``NOT_EXPRESS`` with nothing posted, no entry made, the engine free. A check that
+    raises fails the call and leaves the engine free too."""
     from horovod.core.engine import NOT_EXPRESS
     from horovod.core.messages import MAX, SUM
 
@@ -929,6 +946,19 @@ def test_express_refuses_what_it_cannot_run_and_leaves_no_trace():
         assert eng.board.n == engines[0].board.n  # nothing posted
         root = _submit_op(engines[0], BROADCAST, "q", np.full(2, 7, np.int64), 0)
         assert (root.wait()[0] == 7).all() and (pending.wait()[0] == 7).all()
+
+        def broken():
+            raise RuntimeError("ctrl_idle broke")
+
+        eng.transport.ctrl_idle = broken  # a check that raises: the call fails, engine free
+        with pytest.raises(RuntimeError, match="ctrl_idle broke"):
+            eng.express(ALLREDUCE, "w", ok, None, SUM, -1, lambda: SITE)
+        del eng.transport.ctrl_idle
+        assert eng.express_key is None
+        assert eng.drive.acquire(blocking=False)
+        eng.drive.release()
+        outs = [_submit_op(e, ALLREDUCE, "w", np.full(2, 1, np.int64)) for e in engines]
+        assert all((h.wait()[0] == 2).all() for h in outs)  # and "w" still works
     finally:
         _stop_all(engines)
 
@@ -960,55 +990,6 @@ def test_a_submission_under_the_name_of_an_express_call_in_progress_is_refused()
         _stop_all(engines)
 
 
-def test_an_express_call_whose_peer_is_late_is_finished_by_the_general_path():
-    """Rank 1 reaches each call 20 ms after rank 0, far past rank 0's spin: rank 0's express
-    call makes its entry then, and the general path finishes it once rank 1 posts (the
-    round still runs, no fallback). Results exact on both ranks."""
-    engines = _shm_engines(2)
-    try:
-
-        def rank(r, eng):
-            for step in range(12):
-                if r == 1:
-                    time.sleep(0.02)
-                x = np.full(4, r + step, np.float32)
-                out, _ = _sync(eng, ALLREDUCE, "late", x, x)
-                assert out is x and (x == 2 * step + 1).all(), (r, step, x)
-
-        _race(rank, engines, 60)
-        for e in engines:
-            assert e.stats["express"] >= 10, e.stats
-            assert e.stats["rounds_run"] >= 10, e.stats
-            assert not e.table
-    finally:
-        _stop_all(engines)
-
-
-def test_an_express_call_that_its_peers_answer_differently_goes_through_rank_0():
-    """Rank 0 calls two ops express while rank 1 submits them asynchronously in the other
-    order: rank 0's rounds fall back to rank 0's lists (its calls get their entries then),
-    and every result is exact."""
-    engines = _shm_engines(2)
-    try:
-
-        def rank(r, eng):
-            for step in range(30):
-                if r == 0:
-                    a, _ = _sync(eng, ALLREDUCE, "a", np.full(2, step, np.float64))
-                    b, _ = _sync(eng, ALLREDUCE, "b", np.full(2, 2 * step, np.float64))
-                else:
-                    hb = _submit_op(eng, ALLREDUCE, "b", np.full(2, 2.0, np.float64))
-                    ha = _submit_op(eng, ALLREDUCE, "a", np.full(2, 1.0, np.float64))
-                    a, b = ha.wait()[0], hb.wait()[0]
-                assert (a == step + 1).all() and (b == 2 * step + 2).all(), (r, step, a, b)
-
-        _race(rank, engines, 60)
-        assert engines[0].stats["express"] >= 20, engines[0].stats
-        assert engines[0].stats["rounds_run"] <= 2, engines[0].stats  # fallbacks, not rounds
-    finally:
-        _stop_all(engines)
-
-
 @pytest.mark.parametrize("where", ["board_post", "_express_result"])
 def test_a_failure_inside_an_express_call_fails_the_call_with_its_site_and_the_job(
     monkeypatch, where
@@ -1018,26 +999,44 @@ def test_a_failure_inside_an_express_call_fails_the_call_with_its_site_and_the_j
     the job (the peer's pending op fails too instead of hanging) and leaves the engine free;
     an interrupt (Ctrl-C) there aborts as well and is raised on."""
     from horovod.common.exceptions import HorovodInternalError, TransportError
+    from horovod.core.engine import NOT_EXPRESS
+    from horovod.core.messages import SUM
 
     for kind in (TransportError, KeyboardInterrupt):
         engines = _shm_engines(2)
         try:
             _cache_w(engines)
 
-            def broken(*a, kind=kind, **k):
+            target = engines[0].transport if where == "board_post" else engines[0]
+            real = getattr(target, where)
+            caller = threading.current_thread()
+
+            def broken(*a, kind=kind, real=real, caller=caller, **k):
+                if threading.current_thread() is not caller:  # the engine thread: as usual
+                    return real(*a, **k)
                 raise kind("the board broke")
 
-            target = engines[0].transport if where == "board_post" else engines[0]
             monkeypatch.setattr(target, where, broken)
             engines[0].spin_s = 5.0  # waits for rank 1's post however slow its thread is
             peer = _submit_op(engines[1], ALLREDUCE, "w", np.full(2, 1, np.int64))
+
+            def express(eng=engines[0]):
+                # Until it qualifies (rank 1's messages or the engine thread can make it
+                # decline for a moment; declining posts nothing, so trying again is safe).
+                for _ in range(1000):
+                    got = eng.express(
+                        ALLREDUCE, "w", np.full(2, 4, np.int64), None, SUM, -1, lambda: SITE
+                    )
+                    assert got is NOT_EXPRESS
+                    time.sleep(0.002)
+
             if kind is TransportError:
                 with pytest.raises(HorovodInternalError, match="the board broke") as info:
-                    _sync(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64))
+                    express()
                 assert SITE in str(info.value)
             else:
                 with pytest.raises(KeyboardInterrupt):
-                    _sync(engines[0], ALLREDUCE, "w", np.full(2, 4, np.int64))
+                    express()
                 assert "was interrupted (KeyboardInterrupt)" in engines[0].closed
             monkeypatch.undo()
             assert engines[0].express_key is None

@@ -807,17 +807,15 @@ class Engine:
         resp: Response | None = None
         try:
             if self._may_post(op, arr.nbytes):
-                resp = cache.live[cid]
-                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
-                if max(sizes) > BOARD_DATA:
-                    resp = None
-        except BaseException:
-            self.express_key = None
-            self.drive.release()
-            raise
+                live = cache.live[cid]
+                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
+                if max(sizes) <= BOARD_DATA:
+                    resp = live  # (set last: nothing after it can raise)
+        finally:
+            if resp is None:  # it does not qualify after all (or a check raised)
+                self.express_key = None
+                self.drive.release()
         if resp is None:
-            self.express_key = None
-            self.drive.release()
             return NOT_EXPRESS
         if out is None and op != ALLGATHER:
             out = pool.POOL.empty(arr.shape, arr.dtype)
@@ -838,13 +836,13 @@ class Engine:
                     self._leave(True)
                     return result
             # The general path from here, as if the op had been submitted and posted.
-            e = self._express_entry(op, name, arr, out, reduce_op, root, code, cid, site)
+            e = self._express_entry(op, name, arr, out, reduce_op, root, cid, site)
             self._open_round(e, resp, cid, tag, outk)
             if ready:
                 self._close_round()
         except BaseException as err:
             if e is None:
-                e = self._express_entry(op, name, arr, out, reduce_op, root, code, cid, site)
+                e = self._express_entry(op, name, arr, out, reduce_op, root, cid, site)
             self._driving_failed(err)
             self._leave(e.handle.done())
             if not isinstance(err, Exception):
@@ -861,7 +859,6 @@ class Engine:
         out: np.ndarray | None,
         reduce_op: int,
         root: int,
-        code: int,
         cid: int,
         site: Callable[[], str],
     ) -> Entry:
@@ -871,6 +868,7 @@ class Engine:
         handle = Handle(1, where)
         if self.fast:
             handle.driver = self.run_until
+        code = CODE_OF[arr.dtype]
         req = Request(
             0, name, op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, -1, site=where
         )
@@ -895,41 +893,26 @@ class Engine:
         stats["rounds_run"] += 1
         stats["responses"] += 1
         stats["responses_run_by_caller"] += 1
+        data: list[Any] = [None] * n
+        outs = [-1] * n
+        for r, _, _, d, o in posts:
+            data[r] = d
+            outs[r] = o
         if op == ALLGATHER:
-            data: list[Any] = [None] * n
-            outs = [-1] * n
-            for r, _, _, d, o in posts:
-                data[r] = d
-                outs[r] = o
             outs[me] = outk
             res = self._gathered(resp, arr, _np_alloc, data, [0] * n, outs)
             self._out_done(outs)
             return res
-        if op == ALLREDUCE:
-            stats["eager_responses"] += 1
-            mine = arr.reshape(-1)
-            dtype, count = mine.dtype, mine.size
-            parts = [mine] * n
-            for r, _, _, d, _ in posts:
-                parts[r] = np.frombuffer(d, dtype, count)
-            flat = out.reshape(-1)
-            if (
-                n == 2
-                and resp.prescale == 1.0
-                and resp.postscale == 1.0
-                and resp.reduce_op != AVERAGE
-            ):
-                ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=flat)
-            else:
-                np.copyto(flat, _fold(parts, resp, n))
-            return out  # type: ignore[no-any-return]
-        root = resp.root
-        if root != me:
-            for r, _, _, d, _ in posts:
-                if r == root:
-                    out.reshape(-1).view(np.uint8)[:] = np.frombuffer(d, np.uint8, arr.nbytes)
-        elif out is not arr:
-            np.copyto(out, arr)
+        if op == BROADCAST:
+            return self._broadcasted(resp, arr, out, data, [0] * n)
+        stats["eager_responses"] += 1
+        mine = arr.reshape(-1)
+        parts = [mine if d is None else np.frombuffer(d, mine.dtype, mine.size) for d in data]
+        flat = out.reshape(-1)
+        if _one_fold(resp, n):
+            ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=flat)
+        else:
+            np.copyto(flat, _fold(parts, resp, n))
         return out  # type: ignore[no-any-return]
 
     def run_until(self, handle: Handle) -> None:
@@ -1371,14 +1354,7 @@ class Engine:
                     if r != me:
                         parts[r] = np.frombuffer(data[r], dtype, count, offs[r])
                     offs[r] += mine.nbytes
-                if (
-                    n == 2
-                    and self.timeline is None
-                    and self.autotuner is None
-                    and resp.prescale == 1.0
-                    and resp.postscale == 1.0
-                    and resp.reduce_op != AVERAGE
-                ):
+                if self.timeline is None and self.autotuner is None and _one_fold(resp, n):
                     # The common latency case, without the general path's temporaries: the
                     # one fold straight into the output (the same bits as ``_fold``).
                     entries = self._claim(resp, running=False)
@@ -1405,15 +1381,7 @@ class Engine:
                 res = self._gathered(resp, got.array, got.alloc, data, offs, outs)
                 self._out_done(outs)
             else:  # BROADCAST
-                root = resp.root
-                res = got.output
-                nb = _posted(resp, root)
-                if root != me:
-                    src = np.frombuffer(data[root], np.uint8, nb, offs[root])
-                    res.reshape(-1).view(np.uint8)[:] = src
-                elif res is not got.array:
-                    np.copyto(res, got.array)
-                offs[root] += nb
+                res = self._broadcasted(resp, got.array, got.output, data, offs)
             if tl is not None:
                 tl.activity(rows, None)
                 tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
@@ -1460,6 +1428,22 @@ class Engine:
                 offs[r] += nb
             at += nb
         return res  # type: ignore[no-any-return]
+
+    def _broadcasted(
+        self, resp: Response, array: np.ndarray, output: Any, data: list[Any], offs: list[int]
+    ) -> np.ndarray:
+        """A data round's broadcast result in ``output``: the root's post (``data[root]`` at
+        ``offs[root]``, advanced past it), or on the root its own ``array``."""
+        root = resp.root
+        nb = _posted(resp, root)
+        if root != self.rank:
+            output.reshape(-1).view(np.uint8)[:] = np.frombuffer(
+                data[root], np.uint8, nb, offs[root]
+            )
+        elif output is not array:
+            np.copyto(output, array)
+        offs[root] += nb
+        return output  # type: ignore[no-any-return]
 
     def _out_done(self, outs: list[int]) -> None:
         """After reading a lone allgather's round: tell the peers whose output slots it read
@@ -1743,6 +1727,14 @@ def _fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
             reducer(acc, p, out=acc)
     ops.scale(acc, post)
     return acc
+
+
+def _one_fold(resp: Response, nranks: int) -> bool:
+    """Can an allreduce of two ranks' data be one ufunc straight into the output (no scale
+    factors, no Average; the same bits as ``_fold``)?"""
+    return (
+        nranks == 2 and resp.prescale == 1.0 and resp.postscale == 1.0 and resp.reduce_op != AVERAGE
+    )
 
 
 def _decide(

@@ -247,14 +247,11 @@ def allreduce_(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    if (
-        average is None
-        and process_set is global_process_set
-        and F._unit(prescale_factor, postscale_factor)
-        and _plain(tensor, grad_ok=True)
-    ):
+    if _plain(tensor, grad_ok=True):
         a = to_numpy(tensor)
-        got = F._express(F.ALLREDUCE, "allreduce.", name, a, a, Average if op is None else op)
+        got = F._express_allreduce(
+            name, a, a, op, average, prescale_factor, postscale_factor, process_set
+        )
         if got is not F.NOT_EXPRESS:
             return tensor
     return _sync(
@@ -306,15 +303,17 @@ def allreduce(
     from horovod.torch.compression import Compression
 
     compression = compression or Compression.none
-    if (
-        average is None
-        and process_set is global_process_set
-        and compression is Compression.none
-        and F._unit(prescale_factor, postscale_factor)
-        and _plain(tensor)
-    ):
-        a = to_numpy(tensor)
-        got = F._express(F.ALLREDUCE, "allreduce.", name, a, None, Average if op is None else op)
+    if compression is Compression.none and _plain(tensor):
+        got = F._express_allreduce(
+            name,
+            to_numpy(tensor),
+            None,
+            op,
+            average,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+        )
         if got is not F.NOT_EXPRESS:
             return from_numpy(got)
     op = F._reduce_op(op, average, "allreduce")
@@ -531,8 +530,8 @@ def allgather(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> torch.Tensor:
     """Concatenation of every rank's tensor along dim 0, in rank order (differentiable)."""
-    if process_set is global_process_set and _plain(tensor):
-        got = F._express(F.ALLGATHER, "allgather.", name, to_numpy(tensor), None)
+    if _plain(tensor):
+        got = F._express(F.ALLGATHER, "allgather.", name, to_numpy(tensor), None, process_set)
         if got is not F.NOT_EXPRESS:
             return from_numpy(got)
     return HorovodAllgather.apply(tensor, name, process_set)
@@ -589,9 +588,9 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
-    if process_set is global_process_set and type(root_rank) is int and _plain(tensor, True):
+    if _plain(tensor, grad_ok=True):
         a = to_numpy(tensor)
-        got = F._express(F.BROADCAST, "broadcast.", name, a, a, F.Sum, root_rank)
+        got = F._express(F.BROADCAST, "broadcast.", name, a, a, process_set, F.Sum, root_rank)
         if got is not F.NOT_EXPRESS:
             return tensor
     return _sync(broadcast_async_, tensor, root_rank, name, process_set)
@@ -620,8 +619,9 @@ def broadcast(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """``root_rank``'s tensor on every rank, as a new tensor (differentiable)."""
-    if process_set is global_process_set and type(root_rank) is int and _plain(tensor):
-        got = F._express(F.BROADCAST, "broadcast.", name, to_numpy(tensor), None, F.Sum, root_rank)
+    if _plain(tensor):
+        a = to_numpy(tensor)
+        got = F._express(F.BROADCAST, "broadcast.", name, a, None, process_set, F.Sum, root_rank)
         if got is not F.NOT_EXPRESS:
             return from_numpy(got)
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
