@@ -1,6 +1,7 @@
 """horovod.torch: collectives, autograd, broadcast of state, DistributedOptimizer."""
 
 import copy
+import time
 import warnings
 
 import pytest
@@ -465,6 +466,146 @@ def test_gradient_buckets_layout_names_and_results():
         f"allreduce.{k}.{n}" for k in "abc" for n in ("weight", "bias")
     )
     assert sorted(set(Counting.shapes)) == [(2,), (2, 3), (3,), (3, 8), (8,), (8, 6)]
+
+
+def _bucket_run(rank, steps):
+    """Two linear layers in one bucket, op=Sum; each step's inputs differ per rank and step.
+    ``steps``: a list of ``(zero_grad kwargs, create_graph)``. Returns, per step, the reduced
+    gradients, the ones this rank computed itself (twins without hooks), whether every
+    gradient is a view of the bucket's flat tensor, the flat tensor's id, and whether the
+    gradients are part of a graph."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    twin = copy.deepcopy(model)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0),  # lr 0: every step sees the same weights
+        named_parameters=model.named_parameters(),
+        op=hvd.Sum,
+    )
+    out = []
+    for k, (zero, create_graph) in enumerate(steps):
+        x = torch.full((2, 4), 1.0 + rank + 10 * k)
+        twin.zero_grad()
+        twin(x).sum().backward()
+        opt.zero_grad(**zero)
+        model(x).sum().backward(create_graph=create_graph)
+        opt.step()
+        _settle(opt)
+        _, flat, _, _ = opt._bucket_flat[0]
+        lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+        views = all(lo <= p.grad.data_ptr() < hi for p in model.parameters())
+        out.append(
+            (
+                [p.grad.detach().clone() for p in model.parameters()],
+                [p.grad.clone() for p in twin.parameters()],
+                views,
+                id(flat),
+                all(p.grad.requires_grad for p in model.parameters()),
+            )
+        )
+    return out
+
+
+def _settle(opt):
+    """Wait until the engine thread has dropped its references to the bucket's memory (the
+    local variables of the round it just finished may outlive the wait for a moment; the
+    optimizer then takes a new flat tensor, which is correct but not what these tests check)."""
+    from horovod.torch import optimizer as hopt
+
+    _, flat, _, count = opt._bucket_flat[0]
+    deadline = time.monotonic() + 5
+    while hopt._use_count(flat) != count and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _check_sums(results):
+    for k in range(len(results[0])):
+        for i in range(len(results[0][k][0])):
+            want = results[0][k][1][i] + results[1][k][1][i]
+            for r in results:
+                torch.testing.assert_close(r[k][0][i], want)
+
+
+def test_bucket_averages_are_handed_over_as_views_of_the_bucket():
+    """No copy back: after step() every gradient of a flat bucket is its view of the bucket
+    (sums exact), and the bucket is reused from step to step when zero_grad() set the
+    gradients to None, and also when it zeroed them in place (then backward accumulates into
+    the views and nothing is copied in either)."""
+    plain = [({}, False)] * 3
+    in_place = [({"set_to_none": False}, False)] * 3
+    for steps in (plain, in_place):
+        results = run_ranks(lambda r, steps=steps: _bucket_run(r, steps), 2)
+        _check_sums(results)
+        for r in results:
+            assert all(views for _, _, views, _, _ in r)
+            assert len({fid for _, _, _, fid, _ in r}) == 1  # one flat tensor throughout
+
+
+def test_bucket_never_changes_a_gradient_the_caller_kept():
+    """A gradient of an earlier step that the caller still holds (the tensor itself, a view
+    of it, or a NumPy array over it) keeps its values: the next step reduces into a new flat
+    tensor instead of the one those share memory with."""
+
+    def held(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            named_parameters=model.named_parameters(),
+            op=hvd.Sum,
+        )
+        kinds = []
+        for kind in ("tensor", "view", "numpy", None):
+            model(torch.full((2, 4), 1.0 + rank)).sum().backward()
+            opt.step()
+            _settle(opt)
+            first = opt._bucket_flat[0][1]
+            held = [p.grad for p in model.parameters()]
+            if kind == "view":
+                held = [g.view(-1) for g in held]
+            elif kind == "numpy":
+                held = [g.numpy() for g in held]
+            snap = [torch.as_tensor(h).clone() for h in held]
+            if kind is None:
+                del held
+            opt.zero_grad()
+            model(torch.full((2, 4), 7.0 + rank)).sum().backward()
+            opt.step()
+            new_flat = opt._bucket_flat[0][1] is not first
+            same = kind is None or all(
+                torch.equal(torch.as_tensor(h), s) for h, s in zip(held, snap, strict=True)
+            )
+            kinds.append((kind, new_flat, same))
+            opt.zero_grad()
+        return kinds
+
+    for kinds in run_ranks(held, 2):
+        assert kinds == [
+            ("tensor", True, True),
+            ("view", True, True),
+            ("numpy", True, True),
+            (None, False, True),  # nothing held: the bucket is reused
+        ], kinds
+
+
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")
+def test_bucket_copies_into_gradients_that_are_part_of_a_graph_or_without_use_count(
+    monkeypatch,
+):
+    """Gradients of ``backward(create_graph=True)`` keep their identity and get the sums
+    copied in; without torch's use count (a private function) every gradient does."""
+    from horovod.torch import optimizer as hopt
+
+    results = run_ranks(lambda r: _bucket_run(r, [({}, True), ({}, True)]), 2)
+    _check_sums(results)
+    for r in results:
+        assert not any(views for _, _, views, _, _ in r)
+        assert all(graph for _, _, _, _, graph in r)  # still the gradients autograd made
+    monkeypatch.setattr(hopt, "_use_count", hopt._no_count)
+    results = run_ranks(lambda r: _bucket_run(r, [({}, False)] * 2), 2)
+    _check_sums(results)
+    for r in results:
+        assert not any(views for _, _, views, _, _ in r)
 
 
 def test_unused_parameters_do_not_hang(buckets):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -61,6 +62,44 @@ def _elementwise(compression: Any) -> bool:
         methods == (vars(c)["compress"], vars(c)["decompress"])
         for c in (NoneCompressor, _CastCompressor)
     )
+
+
+def _no_count(t: torch.Tensor) -> int:
+    return -1
+
+
+def _storage_count(t: torch.Tensor) -> int:
+    """How many tensors (and storage objects) share ``t``'s memory."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+# torch's count of references to a tensor's memory (private, but long-standing); without it,
+# averages are copied back into the gradients instead of handed over as views of the bucket.
+_use_count = _storage_count if hasattr(torch._C, "_storage_Use_Count") else _no_count
+
+
+def _refs(views: list[torch.Tensor], i: int) -> int:
+    v = views[i]
+    return sys.getrefcount(v)
+
+
+# What ``_refs`` counts for a view held by its list alone (measured, not assumed: the count of
+# the references an interpreter makes to call it may differ between Python versions).
+_ALONE = _refs([torch.empty(0)], 0)
+
+
+def _shared(kept: tuple, grads: list[torch.Tensor]) -> bool:
+    """Is the bucket's flat tensor held by anything that expects it not to change: another
+    tensor over its memory (torch's count), or a reference to a view of it that is no longer
+    its parameter's gradient (say a gradient of the last step that the caller kept)? A view
+    still in ``p.grad`` was accumulated into in place, which its holders expect."""
+    _, flat, views, count = kept
+    if _use_count(flat) != count:
+        return True
+    for i in range(len(views)):
+        if grads[i] is not views[i] and _refs(views, i) > _ALONE:
+            return True
+    return False
 
 
 def split_list(items: list, n: int) -> list[list]:
@@ -124,6 +163,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._params = {id(p): p for p in all_params}
         self._index = {id(p): i for i, p in enumerate(all_params)}
         self._requires_update: set[int] = set()
+        self._loose_ids: list[int] | None = None  # _loose()
         self._synchronized = False
         self._should_synchronize = True
         self._hooks: list[Any] = []
@@ -131,14 +171,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._pending_bytes = 0
         self._flush_bytes, self._flush_count = FLUSH_BYTES, FLUSH_COUNT
         # Buckets (see _make_buckets): members (ids), names, gradients still to come this
-        # step, what is in flight (handle, gradients, the tensor sent, compression ctx; () when
-        # the bucket's gradients went under their own names) and buckets not submitted yet.
+        # step, what is in flight (handle, parameters, their gradients, the tensor sent,
+        # compression ctx; () when the bucket's gradients went under their own names) and
+        # buckets not submitted yet.
         self._buckets: list[list[int]] = []
         self._bucket_of: dict[int, int] = {}
         self._bucket_names: list[str] = []
+        self._bucket_params: list[list[Any]] = []  # members (parameters)
         self._bucket_left: list[int] = []
         self._bucket_flight: list[Any] = []
-        self._bucket_flat: list[Any] = []  # (members key, flat tensor, views), kept
+        self._bucket_flat: list[Any] = []  # (members key, flat tensor, views, use count), kept
         self._buckets_due = 0
         # groups: id(p) -> group index; members in model order
         self._group_of: dict[int, int] = {}
@@ -201,6 +243,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
             for pid in ids:
                 self._bucket_of[pid] = bi
+            self._bucket_params.append([self._params[pid] for pid in ids])
         self._bucket_left = [len(ids) for ids in self._buckets]
         self._bucket_flight = [None] * len(self._buckets)
         self._bucket_flat = [None] * len(self._buckets)
@@ -319,7 +362,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ones each on their own (or densified first, with ``sparse_as_dense``). Missing
         gradients (unused parameters) count as zeros. What a bucket holds depends on the model
         only, so every rank submits the same."""
-        members = [self._params[pid] for pid in self._buckets[bi]]
+        members = self._bucket_params[bi]
         grads = [p.grad for p in members]
         dense = members
         if any(g is None or g.is_sparse for g in grads):
@@ -342,15 +385,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # (torch keeps every gradient in its parameter's shape, dtype and device)
         key = None if dense is members else tuple(map(id, dense))
         kept = self._bucket_flat[bi]
-        if kept is None or kept[0] != key:
+        if kept is None or kept[0] != key or _shared(kept, grads):
             # The bucket's flat tensor, kept from step to step (a fresh one would cost the
-            # page faults of new memory every step), and a view of it per gradient.
+            # page faults of new memory every step), and a view of it per gradient. A new
+            # one when anything but these views still holds the old one's memory (say a
+            # gradient of the last step kept by the caller): what it sees must not change.
             flat = torch.empty(
                 sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device
             )
-            kept = self._bucket_flat[bi] = (key, flat, _unflatten_dense_tensors(flat, grads))
-        _, flat, views = kept
-        torch._foreach_copy_(views, grads)
+            views = _unflatten_dense_tensors(flat, grads)
+            kept = self._bucket_flat[bi] = (key, flat, views, _use_count(flat))
+        _, flat, views, _ = kept
+        if not all(g is v for g, v in zip(grads, views, strict=True)):
+            torch._foreach_copy_(views, grads)  # else accumulated in place (not set to None)
         compressed, ctx = self._compression.compress(flat)
         pre, post = self._scales()
         handle = allreduce_async_(
@@ -361,17 +408,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             postscale_factor=post,
             process_set=self._process_set,
         )
-        self._bucket_flight[bi] = (handle, grads, compressed, ctx)
+        self._bucket_flight[bi] = (handle, dense, grads, compressed, ctx)
 
     def _finish_bucket(self, bi: int) -> None:
-        """Wait for bucket ``bi`` and copy the averages back into its gradients."""
-        handle, grads, compressed, ctx = self._bucket_flight[bi]
+        """Wait for bucket ``bi`` and hand the averages to its parameters: each ``p.grad``
+        becomes its view of the flat tensor (no copy back); gradients that are part of a
+        graph (``create_graph=True``) get the averages copied into them instead."""
+        handle, dense, grads, compressed, ctx = self._bucket_flight[bi]
         synchronize(handle)
-        _, flat, views = self._bucket_flat[bi]
+        _, flat, views, _ = self._bucket_flat[bi]
         out = self._compression.decompress(compressed, ctx)
         if out is not flat:
             flat.copy_(out)
-        torch._foreach_copy_(grads, views)
+        if _use_count is _no_count:
+            torch._foreach_copy_(grads, views)
+            return
+        for p, g, v in zip(dense, grads, views, strict=True):
+            if g is not v:
+                if g.requires_grad or p.grad is not g:
+                    g.copy_(v)
+                else:
+                    p.grad = v
 
     def _submit_group(self, gi: int) -> None:
         members = [self._params[pid] for pid in self._groups[gi]]
@@ -411,9 +468,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # meanwhile: waking the engine thread would only have the two fight over the GIL.
         with F.waited():
             # Gradients that never arrived (unused parameters) and partially accumulated ones.
-            for pid in sorted(self._requires_update, key=self._index.__getitem__):
-                if pid in self._group_of or pid in self._bucket_of:
-                    continue
+            for pid in self._loose():
                 entry = self._handles.get(pid)
                 if entry is None or (entry[0] is None and entry[1] != "queued"):
                     self._queue(self._params[pid])
@@ -447,11 +502,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for bi, flight in enumerate(self._bucket_flight):
                 if flight:  # flat (() when its gradients went under their own names)
                     self._finish_bucket(bi)
-            passes = self.backward_passes_per_step
-            for pid in self._bucket_of:
-                self._delay[pid] = passes
+            self._delay.update(dict.fromkeys(self._bucket_of, self.backward_passes_per_step))
             self._reset_buckets()
         self._synchronized = True
+
+    def _loose(self) -> list[int]:
+        """Trainable parameters in neither a bucket nor a group, in model order."""
+        if self._loose_ids is None:
+            self._loose_ids = [
+                pid
+                for pid in sorted(self._requires_update, key=self._index.__getitem__)
+                if pid not in self._group_of and pid not in self._bucket_of
+            ]
+        return self._loose_ids
 
     def _reset_buckets(self) -> None:
         self._buckets_due = len(self._buckets)
