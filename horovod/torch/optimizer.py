@@ -83,9 +83,10 @@ def _refs(views: list[torch.Tensor], i: int) -> int:
     return sys.getrefcount(v)
 
 
-# What ``_refs`` counts for a view held by its list alone (measured, not assumed: the count of
-# the references an interpreter makes to call it may differ between Python versions).
+# What ``_refs`` and the map in ``_shared`` count for a view held by its list alone (measured,
+# not assumed: the references an interpreter makes to call them may differ between versions).
 _ALONE = _refs([torch.empty(0)], 0)
+_ALONE_MAPPED = max(map(sys.getrefcount, [torch.empty(0)]))
 
 
 def _shared(kept: tuple, grads: list[torch.Tensor]) -> bool:
@@ -96,6 +97,8 @@ def _shared(kept: tuple, grads: list[torch.Tensor]) -> bool:
     _, flat, views, count = kept
     if _use_count(flat) != count:
         return True
+    if max(map(sys.getrefcount, views)) <= _ALONE_MAPPED:
+        return False  # no view referenced from anywhere else (one pass in C)
     for i in range(len(views)):
         if grads[i] is not views[i] and _refs(views, i) > _ALONE:
             return True
