@@ -196,6 +196,46 @@ def test_engine_thread_takes_over_when_the_waiting_thread_does_not_come_back():
     assert worst[0] < 0.15, out.stdout  # not the 0.3 s until rank 1 came back
 
 
+def test_a_waiting_thread_keeps_the_engine_for_a_lease_only_when_it_comes_back_quickly():
+    """A loop of synchronous calls keeps the engine between calls (a lease), once the thread
+    has come back within one; a thread that comes back only after longer (a training step's
+    compute) gets none, so its engine thread is not kicked awake after every call for nothing.
+    (A long spin: no call gives up waiting, which would hand the engine over and kick too.)"""
+    script = """
+        import time, numpy as np, horovod.numpy as hvd
+        from horovod.core import context
+        hvd.init()
+        engine = context.current().engine
+        kicks = [0]
+        kick = engine.transport.kick
+        def counted():
+            kicks[0] += 1
+            kick()
+        engine.transport.kick = counted
+        x = np.ones(10)
+        for name in ("loop", "spaced"):  # negotiated once: cached (one call, one wait) from now
+            hvd.allreduce(x, name=name)
+        back_to_back = 0
+        for i in range(20):
+            hvd.allreduce(x, name="loop")
+            back_to_back += engine._lease_until > time.perf_counter()
+        spaced, before = 0, kicks[0]
+        for i in range(20):
+            time.sleep(0.01)
+            hvd.allreduce(x, name="spaced")
+            spaced += engine._lease_until > time.perf_counter()
+        print(f"rank {hvd.rank()} leases {back_to_back} {spaced} kicks {kicks[0] - before}")
+    """
+    out = run_script(script, env={"HOROVOD_SPIN_MICROSECONDS": "20000"})
+    assert out.returncode == 0, out.stderr
+    found = re.findall(r"rank \d leases (\d+) (\d+) kicks (\d+)", out.stdout)
+    assert len(found) == 2, out.stdout
+    for back_to_back, spaced, kicks in found:
+        assert int(back_to_back) >= 15, out.stdout  # a lease after nearly every call
+        assert int(spaced) == 0, out.stdout
+        assert int(kicks) <= 3, out.stdout  # not one per call
+
+
 def test_ranks_with_different_data_plane_settings_get_a_clear_error():
     script = """
         import os

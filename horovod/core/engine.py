@@ -315,6 +315,11 @@ class Engine:
         # woken here for nothing). When the lease runs out the engine thread takes over.
         self.lease_s = min(10 * self.spin_s, LEASE_MAX_S)
         self._lease_until = 0.0
+        # Only a thread that came back within a lease of the last one leaving gets a lease
+        # (a loop of calls): granting one costs a kick of the sleeping engine thread, which
+        # then wakes twice for nothing, in the middle of a training step's compute.
+        self._left_at = float("-inf")
+        self._back_soon = False
         # Peer rounds (every rank on this host, see "Peer rounds" in docs/architecture.md):
         # a lone small cache-hit allreduce is posted to every peer instead of rank 0, and run
         # by every rank itself once all of them posted the same.
@@ -696,7 +701,10 @@ class Engine:
         self.round_items, self.round_cids, self.round_tag = [(e, resp)], [cid], tag
         self.round_out = out
         self.round_totals = list(self._posted_by_cid[cid])
-        now = self.clock()
+        self._round_posted(self.clock())
+
+    def _round_posted(self, now: float) -> None:
+        """This rank's ops are posted in its open round: its timers start."""
         self.round_posted_at = now
         self.round_warn_at = now + self.round_warn_s
 
@@ -822,7 +830,7 @@ class Engine:
         e: Entry | None = None
         board = self.board
         try:
-            self.transport.set_driving(True)  # type: ignore[attr-defined]
+            self._enter()
             deadline = time.perf_counter() + self.spin_s
             tag, outk = self._post_lone(cid, resp, arr, _np_alloc)
             self.stats["express"] += 1
@@ -974,15 +982,24 @@ class Engine:
                 "collective; its collectives cannot continue"
             )
 
+    def _enter(self) -> None:
+        """(``drive`` held.) A waiting thread starts running the engine: peers need not wake
+        the engine thread meanwhile. Did it come back within a lease of the last one leaving?"""
+        self._back_soon = time.perf_counter() - self._left_at < self.lease_s
+        self.transport.set_driving(True)  # type: ignore[attr-defined]
+
     def _leave(self, done: bool) -> None:
         """Release ``drive`` after running the engine on a waiting thread (``done``: its
         handle completed)."""
         t = self.transport
-        if done and self.lease_s > 0 and not self._stop_now:
-            # Done: this thread is probably back soon (a loop of synchronous calls). It
-            # keeps the engine for a short lease: "driving" stays published, and the
-            # engine thread leaves new work to it until the lease ends.
-            self._lease_until = time.perf_counter() + self.lease_s
+        self._left_at = now = time.perf_counter()
+        if done and self._back_soon and self.lease_s > 0 and not self._stop_now:
+            # Done, and this thread came back quickly the last time: it is probably back
+            # soon again (a loop of synchronous calls). It keeps the engine for a short
+            # lease: "driving" stays published, and the engine thread leaves new work to it
+            # until the lease ends. (A thread that comes back only after a training step's
+            # compute gets none: the engine thread would be kicked and woken for nothing.)
+            self._lease_until = now + self.lease_s
             _fence()
             self.drive.release()
             if self._sleeping:
@@ -1200,8 +1217,7 @@ class Engine:
         self.round_items, self.round_cids, self.round_tag = items, cids, tag
         self.round_out = out
         self.round_totals = totals
-        self.round_posted_at = self.clock()
-        self.round_warn_at = self.round_posted_at + self.round_warn_s
+        self._round_posted(self.clock())
         self.stats["rounds_posted"] += 1
         return True
 
