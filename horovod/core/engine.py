@@ -993,7 +993,7 @@ class Engine:
         handle completed)."""
         t = self.transport
         self._left_at = now = time.perf_counter()
-        if done and self._back_soon and self.lease_s > 0 and not self._stop_now:
+        if done and self._back_soon and not self._stop_now:  # (never with no lease time)
             # Done, and this thread came back quickly the last time: it is probably back
             # soon again (a loop of synchronous calls). It keeps the engine for a short
             # lease: "driving" stays published, and the engine thread leaves new work to it
