@@ -920,6 +920,127 @@ def test_express_calls_give_exact_results_without_entering_the_table(n):
         _stop_all(engines)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_express_allreduces_too_large_for_a_data_round_run_on_the_data_plane(n):
+    """Synchronous allreduces above the data rounds' budget (16 KiB in these engines: 20 KB
+    goes by direct exchange, 400 KB by the ring) take the express way too once cached: the
+    calling thread posts a plane round and runs the op on the data plane itself, with no
+    entry (the table stays empty). In place and into a new array, with Sum, Average and Max;
+    results are exact and every rank gets the same bits."""
+    from horovod.core.messages import AVERAGE, MAX, SUM
+
+    engines = _shm_engines(n)
+    for e in engines:
+        e.spin_s = 0.05  # a caller waits for its peers' posts however slow their threads are
+    got: dict = {}
+    try:
+
+        def rank(r, eng):
+            base = np.arange(5000, dtype=np.float32)
+            for step in range(20):
+                x = base * (r + 1) + step
+                out, _ = _sync(eng, ALLREDUCE, "p", x, x, SUM)
+                assert out is x and (x == base * (n * (n + 1) // 2) + n * step).all(), (r, step)
+                assert not eng.table and eng.express_key is None
+                big = np.linspace(0.0, 1.0, 50_000) * (r + 1) + step  # float64, 400 KB
+                a, _ = _sync(eng, ALLREDUCE, "a", big, None, AVERAGE)
+                want = np.linspace(0.0, 1.0, 50_000) * ((n + 1) / 2) + step
+                assert a is not big and np.allclose(a, want, rtol=1e-12, atol=0), (r, step)
+                got[(r, step)] = a
+                m, _ = _sync(eng, ALLREDUCE, "m", np.arange(40_000) * (r - 1), None, MAX)
+                assert (m == np.arange(40_000) * (n - 2)).all(), (r, step)
+                assert not eng.table and eng.express_key is None
+
+        _race(rank, engines, 60)
+        for step in range(20):  # the same bits on every rank
+            assert all(got[(r, step)].tobytes() == got[(0, step)].tobytes() for r in range(n))
+        for e in engines:
+            # The first call of each op negotiates at rank 0; nearly all others go express (a
+            # rank that finds its engine thread busy for a moment does not).
+            assert e.stats["express_plane"] >= 40, e.stats
+            assert e.stats["express"] >= e.stats["express_plane"], e.stats
+    finally:
+        _stop_all(engines)
+
+
+def test_an_express_plane_round_meets_a_peer_that_submitted_the_op():
+    """Rank 0 reduces a large cached op the express way while rank 1 submits it (the
+    general path posts the same plane round): both run it on the data plane, and a peer
+    that is 20 ms late (far past the spin) has rank 0's call finish the general way."""
+    from horovod.core.messages import SUM
+
+    engines = _shm_engines(2)
+    try:
+
+        def rank(r, eng):
+            for step in range(16):
+                x = np.full(20_000, r + step, np.int64)
+                if r == 0:
+                    out, _ = _sync(eng, ALLREDUCE, "big", x, x, SUM)
+                else:
+                    if step % 2:
+                        time.sleep(0.02)
+                    out = _submit_op(eng, ALLREDUCE, "big", x).wait()[0]
+                assert (out == 2 * step + 1).all(), (r, step, out[:3])
+
+        _race(rank, engines, 60)
+        assert engines[0].stats["express_plane"] >= 4, engines[0].stats
+        assert engines[0].stats["express"] > engines[0].stats["express_plane"], engines[0].stats
+        assert engines[1].stats["express"] == 0, engines[1].stats
+        for e in engines:
+            assert e.stats["rounds_run"] >= 12, e.stats
+            assert not e.table
+    finally:
+        _stop_all(engines)
+
+
+def test_a_failure_inside_an_express_plane_round_fails_the_call_and_the_job(monkeypatch):
+    """An error while an express call runs its plane round on the data plane fails the call
+    with the error and the caller's file and line, aborts the job on every rank and leaves
+    the engine free."""
+    from horovod.common.exceptions import HorovodInternalError, TransportError
+    from horovod.core.engine import NOT_EXPRESS
+    from horovod.core.messages import SUM
+
+    engines = _shm_engines(2)
+    try:
+        for step in range(3):  # cache "big"
+            outs = [_submit_op(e, ALLREDUCE, "big", np.full(20_000, step)) for e in engines]
+            assert all((h.wait()[0] == 2 * step).all() for h in outs)
+        caller = threading.current_thread()
+        real = engines[0]._express_plane
+
+        def broken(*a, **k):
+            if threading.current_thread() is not caller:
+                return real(*a, **k)
+            raise TransportError("the data plane broke")
+
+        monkeypatch.setattr(engines[0], "_express_plane", broken)
+        engines[0].spin_s = 5.0  # waits for rank 1's post however slow its thread is
+        peer = _submit_op(engines[1], ALLREDUCE, "big", np.full(20_000, 1))
+        with pytest.raises(HorovodInternalError, match="the data plane broke") as info:
+            for _ in range(2000):
+                got = engines[0].express(
+                    ALLREDUCE, "big", np.full(20_000, 4), None, SUM, -1, lambda: SITE
+                )
+                if got is not NOT_EXPRESS:
+                    break
+                time.sleep(0.002)
+        assert SITE in str(info.value)
+        monkeypatch.undo()
+        assert engines[0].express_key is None
+        assert engines[0].drive.acquire(timeout=5)
+        engines[0].drive.release()
+        with pytest.raises(HorovodInternalError):
+            peer.wait()
+        deadline = time.monotonic() + 10
+        while engines[1].closed is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engines[1].closed is not None
+    finally:
+        _stop_all(engines)
+
+
 def test_express_refuses_what_it_cannot_run_and_leaves_no_trace():
     """An uncached name, a request that differs from the cached one (dtype, shape, reduce
     op, root), the express way switched off, or another op in flight on the rank: the call

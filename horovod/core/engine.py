@@ -188,6 +188,16 @@ class Entry:
         return (self.request.ps_id, self.request.name)
 
 
+class _Bare:
+    """What ``ops.execute`` reads of an allreduce's entry: its array and its output."""
+
+    __slots__ = ("array", "output")
+
+    def __init__(self, array: np.ndarray, output: np.ndarray) -> None:
+        self.array = array
+        self.output = output
+
+
 def _np_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return pool.POOL.empty(shape, dtype)
 
@@ -280,6 +290,7 @@ class Engine:
             "rounds_run": 0,  # ... that every rank posted the same to (run without rank 0)
             "quick_rounds": 0,  # ... posted by a waiting thread for a lone op (``_quick``)
             "express": 0,  # ... of those, synchronous calls that were never submitted
+            "express_plane": 0,  # ... of those, allreduces run on the data plane
             "slot_outputs": 0,  # allgather results built in this rank's output slots
         }
         self._register(0, range(size))
@@ -660,11 +671,12 @@ class Engine:
         self.drive.release()
         return False
 
-    def _may_post(self, op: int, nbytes: int) -> bool:
-        """(``drive`` held.) May this rank post a lone data round of ``op`` (``nbytes``) now:
-        no round open and no lists held, nothing in the inbox or the control rings, the cache
-        on, an allreduce within the eager budget, the coordinator not paused, and no peer's
-        post made after lists this rank has yet to process?"""
+    def _may_post(self, op: int, nbytes: int, plane: bool = False) -> bool:
+        """(``drive`` held.) May this rank post a lone data round of ``op`` (``nbytes``) now
+        (or, with ``plane``, a plane round if it is too large for a data round): no round open
+        and no lists held, nothing in the inbox or the control rings, the cache on, an
+        allreduce within the eager budget, the coordinator not paused, and no peer's post made
+        after lists this rank has yet to process?"""
         board = self.board
         assert board is not None
         return (
@@ -674,21 +686,24 @@ class Engine:
             and self.inbox.empty()
             and self.transport.ctrl_idle()  # type: ignore[attr-defined]
             and self.sets[0].cache.enabled
-            and (op != ALLREDUCE or nbytes <= self.round_budget)
+            and (plane or op != ALLREDUCE or nbytes <= self.round_budget)
             and (self.coordinator is None or not self.coordinator.paused)
             and (not board.opened() or max(board.tags()) >> 1 <= self.lists_done)
         )
 
-    def _post_lone(self, cid: int, resp: Response, array: np.ndarray, alloc: Any) -> tuple:
+    def _post_lone(
+        self, cid: int, resp: Response, array: np.ndarray, alloc: Any, plane: bool = False
+    ) -> tuple:
         """Post a lone op's data round (``drive`` held): its data, or an allgather's block in
-        an output slot; returns (tag, output slot or -1)."""
+        an output slot; with ``plane``, a plane round (its id only, as ``_post_round`` posts
+        it). Returns (tag, output slot or -1)."""
         out = self._out_post(array, alloc, resp, cid) if resp.op == ALLGATHER else -1
-        if out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
+        if plane or out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
             parts = []
         else:
             raw: Any = array.reshape(-1).view(np.uint8)
             parts = [memoryview(raw)]
-        tag = self.lists_done << 1
+        tag = self.lists_done << 1 | plane
         self.transport.board_post((cid,), parts, tag, out)  # type: ignore[attr-defined]
         stats = self.stats
         stats["rounds_posted"] += 1
@@ -813,11 +828,16 @@ class Engine:
             self.express_key = None
             return NOT_EXPRESS
         resp: Response | None = None
+        plane = False  # an allreduce too large for a data round: a plane round
         try:
-            if self._may_post(op, arr.nbytes):
+            if self._may_post(op, arr.nbytes, plane=op == ALLREDUCE):
                 live = cache.live[cid]
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
-                if max(sizes) <= BOARD_DATA:
+                if max(sizes) > BOARD_DATA or (op == ALLREDUCE and arr.nbytes > self.round_budget):
+                    plane = op == ALLREDUCE
+                    if plane:
+                        resp = live
+                else:
                     resp = live  # (set last: nothing after it can raise)
         finally:
             if resp is None:  # it does not qualify after all (or a check raised)
@@ -832,14 +852,20 @@ class Engine:
         try:
             self._enter()
             deadline = time.perf_counter() + self.spin_s
-            tag, outk = self._post_lone(cid, resp, arr, _np_alloc)
+            tag, outk = self._post_lone(cid, resp, arr, _np_alloc, plane)
             self.stats["express"] += 1
             ready = self._await_posts(deadline)
             if ready:
                 posts = board.read()
-                if _decide([(None, resp)], [cid], tag, posts, sizes) == "data":
+                if _decide([(None, resp)], [cid], tag, posts, sizes) == (
+                    "plane" if plane else "data"
+                ):
                     board.open = False
-                    result = self._express_result(op, resp, arr, out, posts, outk)
+                    if plane:
+                        assert out is not None  # (made above for an allreduce)
+                        result = self._express_plane(resp, arr, out)
+                    else:
+                        result = self._express_result(op, resp, arr, out, posts, outk)
                     self.express_key = None
                     self._leave(True)
                     return result
@@ -922,6 +948,20 @@ class Engine:
         else:
             np.copyto(flat, _fold(parts, resp, n))
         return out  # type: ignore[no-any-return]
+
+    def _express_plane(self, resp: Response, arr: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """An express allreduce's plane round, decided: run it on the data plane into
+        ``out`` as ``_run_plane_round`` would run the op's entry (the same response, buffers
+        and algorithm: the same bits), without one."""
+        stats = self.stats
+        stats["rounds_run"] += 1
+        stats["responses"] += 1
+        stats["responses_run_by_caller"] += 1
+        stats["express_plane"] += 1
+        ss = self.sets[0]
+        assert ss.view is not None
+        ops.execute(resp, [cast(Entry, _Bare(arr, out))], ss.view, self.buffers)
+        return out
 
     def run_until(self, handle: Handle) -> None:
         """Run the engine on the calling thread until ``handle`` completes, as long as there is
