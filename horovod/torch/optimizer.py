@@ -26,6 +26,7 @@ from horovod.torch.compression import Compression, NoneCompressor, _CastCompress
 from horovod.torch.mpi_ops import (
     Adasum,
     Average,
+    allreduce_,
     allreduce_async_,
     allreduce_batch_async_,
     grouped_allreduce_async_,
@@ -185,6 +186,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_flight: list[Any] = []
         self._bucket_flat: list[Any] = []  # (members key, flat tensor, views, use count), kept
         self._buckets_due = 0
+        self._deferred: int | None = None  # the step's last bucket, reduced by synchronize()
         # groups: id(p) -> group index; members in model order
         self._group_of: dict[int, int] = {}
         self._groups: list[list[int]] = []
@@ -274,11 +276,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         self._buckets_due -= 1
                         if self._buckets_due == 0:
                             # The step's last bucket: backward is over and this thread is
-                            # about to wait for it in step() (running the engine itself).
-                            # Waking the engine thread would only have the two fight over
-                            # the GIL.
-                            with F.waited():
-                                self._submit_bucket(bi)
+                            # about to wait for it in step(). synchronize() reduces it then,
+                            # synchronously: with nothing else in flight that takes the
+                            # engine's express way (no submission, no handle; the engine
+                            # thread is not woken to fight this one over the GIL).
+                            self._deferred = bi
                         else:
                             self._submit_bucket(bi)
                 return
@@ -359,12 +361,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         )
         return handle, (ctx, compressed)
 
-    def _submit_bucket(self, bi: int) -> None:
+    def _submit_bucket(self, bi: int, now: bool = False) -> None:
         """Submit bucket ``bi``: its dense gradients copied into the bucket's flat tensor and
         reduced under the bucket's name (a gradient alone goes under its own name); sparse
         ones each on their own (or densified first, with ``sparse_as_dense``). Missing
         gradients (unused parameters) count as zeros. What a bucket holds depends on the model
-        only, so every rank submits the same."""
+        only, so every rank submits the same. ``now``: reduce the flat tensor synchronously
+        (the engine's express way when nothing else is in flight)."""
         members = self._bucket_params[bi]
         grads = [p.grad for p in members]
         dense = members
@@ -403,14 +406,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(views, grads)  # else accumulated in place (not set to None)
         compressed, ctx = self._compression.compress(flat)
         pre, post = self._scales()
-        handle = allreduce_async_(
-            compressed,
+        args: dict[str, Any] = dict(
             name=self._bucket_names[bi],
             op=self._op,
             prescale_factor=pre,
             postscale_factor=post,
             process_set=self._process_set,
         )
+        handle: int | None = None  # None: done
+        if now:
+            allreduce_(compressed, **args)
+        else:
+            handle = allreduce_async_(compressed, **args)
         self._bucket_flight[bi] = (handle, dense, grads, compressed, ctx)
 
     def _finish_bucket(self, bi: int) -> None:
@@ -418,7 +425,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         becomes its view of the flat tensor (no copy back); gradients that are part of a
         graph (``create_graph=True``) get the averages copied into them instead."""
         handle, dense, grads, compressed, ctx = self._bucket_flight[bi]
-        synchronize(handle)
+        if handle is not None:
+            synchronize(handle)
         _, flat, views, _ = self._bucket_flat[bi]
         out = self._compression.decompress(compressed, ctx)
         if out is not flat:
@@ -476,9 +484,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if entry is None or (entry[0] is None and entry[1] != "queued"):
                     self._queue(self._params[pid])
             self._flush()
+            deferred, self._deferred = self._deferred, None
             for bi, flight in enumerate(self._bucket_flight):
-                if flight is None:  # gradients missing (unused, or still accumulating)
-                    self._submit_bucket(bi)
+                if flight is None and bi != deferred:  # gradients missing (unused, or
+                    self._submit_bucket(bi)  # still accumulating)
             for gi in range(len(self._groups)):
                 if any(
                     self._handles.get(pid, (None,))[0] is None
@@ -486,6 +495,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if pid in self._requires_update
                 ):
                     self._submit_group(gi)
+            if deferred is not None:
+                # After the submissions above (in flight meanwhile; the express way is not
+                # taken then), before waiting for anything.
+                self._submit_bucket(deferred, now=True)
         done: dict[Any, Any] = {}
         for pid, (handle, ctx) in list(self._handles.items()):
             p = self._params[pid]
@@ -521,6 +534,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_buckets(self) -> None:
         self._buckets_due = len(self._buckets)
+        self._deferred = None
         for bi, ids in enumerate(self._buckets):
             self._bucket_left[bi] = len(ids)
             self._bucket_flight[bi] = None
