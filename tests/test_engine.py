@@ -970,6 +970,8 @@ def test_an_express_plane_round_meets_a_peer_that_submitted_the_op():
     from horovod.core.messages import SUM
 
     engines = _shm_engines(2)
+    # Long enough for rank 1's thread to get the GIL and post, far shorter than 20 ms.
+    engines[0].spin_s = 0.005
     try:
 
         def rank(r, eng):
