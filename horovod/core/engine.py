@@ -833,11 +833,11 @@ class Engine:
             if self._may_post(op, arr.nbytes, plane=op == ALLREDUCE):
                 live = cache.live[cid]
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
-                if max(sizes) > BOARD_DATA or (op == ALLREDUCE and arr.nbytes > self.round_budget):
-                    plane = op == ALLREDUCE
-                    if plane:
-                        resp = live
-                else:
+                data = max(sizes) <= BOARD_DATA and (
+                    op != ALLREDUCE or arr.nbytes <= self.round_budget
+                )
+                if data or op == ALLREDUCE:
+                    plane = not data
                     resp = live  # (set last: nothing after it can raise)
         finally:
             if resp is None:  # it does not qualify after all (or a check raised)
