@@ -628,6 +628,85 @@ def test_unused_parameters_do_not_hang(buckets):
     assert g0 == pytest.approx(g1) and g0 > 0  # rank 0 contributed zeros, got the average
 
 
+def test_the_tail_bucket_is_reduced_by_step_without_hooks_on_its_parameters():
+    """The tail bucket (the model's first parameters, whose gradients backward usually
+    produces last) has a hook on one parameter only and is reduced by step(). The sums stay
+    exact when backward completes it first (a layer defined first but used last), when one
+    of its parameters gets no gradient on one rank, and with two backward passes per step;
+    and with one bucket in all, a second backward or a zero_grad() before step() is still
+    refused."""
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(8, 2)  # defined first (in the tail), used last
+            self.extra = torch.nn.Linear(8, 2)  # in the tail too; used on rank 1 only
+            self.body = torch.nn.Linear(6, 8)
+
+        def forward(self, x, rank):
+            h = torch.tanh(self.body(x))
+            return self.head(h) + (self.extra(h) if rank == 1 else 0)
+
+    def body(rank, passes):
+        torch.manual_seed(0)
+        model, twin = Odd(), Odd()
+        twin.load_state_dict(model.state_dict())
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            named_parameters=model.named_parameters(),
+            op=hvd.Sum,
+            backward_passes_per_step=passes,
+        )
+        tail = opt._bucket_params[-1]
+        hooked = len(opt._hooks)
+        for k in range(2):
+            twin.zero_grad()
+            opt.zero_grad()
+            for j in range(passes):
+                x = torch.full((2, 6), 1.0 + rank + 10 * k + j)
+                twin(x, rank).sum().backward()
+                model(x, rank).sum().backward()
+            opt.step()
+        local = {  # rank 0's extra has no gradient: it contributes zeros
+            n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+            for n, p in twin.named_parameters()
+        }
+        names = {id(p): n for n, p in model.named_parameters()}
+        return (
+            local,
+            {n: p.grad.clone() for n, p in model.named_parameters()},
+            sorted(names[id(p)] for p in tail),
+            hooked,
+        )
+
+    # body's weight (192 bytes) and bias (32) alone; head and extra (144 in all) the tail
+    env = {"HOROVOD_GRADIENT_BUCKET_BYTES": "150"}
+    for passes in (1, 2):
+        results = run_ranks(lambda r, passes=passes: body(r, passes), 2, env=env)
+        for local, reduced, tail, hooked in results:
+            assert tail == ["extra.bias", "extra.weight", "head.bias", "head.weight"], tail
+            assert hooked == 6 - 3, hooked  # one hook in the tail
+            for name in local:
+                want = results[0][0][name] + results[1][0][name]
+                torch.testing.assert_close(reduced[name], want, msg=name)
+
+    def one_bucket(rank):
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+        )
+        assert len(opt._buckets) == 1 and len(opt._hooks) == 1
+        x, y = batch(rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(AssertionError, match="zero_grad\\(\\) was called after"):
+            opt.zero_grad()
+        with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    run_ranks(one_bucket, 2)
+
+
 def test_zero_grad_race_and_too_many_passes_and_warning():
     def body(rank):
         model = make_model()

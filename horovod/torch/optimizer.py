@@ -1,11 +1,13 @@
 """``hvd.DistributedOptimizer``: averages gradients over ranks, overlapping communication with
 the backward pass.
 
-Each parameter gets a post-accumulate-grad hook. The moment autograd has accumulated a
-parameter's gradient for the ``backward_passes_per_step``-th time, the hook submits an
-asynchronous in-place allreduce of it, so communication runs while the rest of backward is still
-computing. ``step()`` waits only for what is still in flight. Parameters whose gradient never
-appeared in a step (unused branches) are reduced as zeros, so no rank waits for them.
+Parameters get a post-accumulate-grad hook. The moment autograd has accumulated a parameter's
+gradient for the ``backward_passes_per_step``-th time, the hook submits an asynchronous
+in-place allreduce of it (of its bucket, once the bucket is complete), so communication runs
+while the rest of backward is still computing. The tail bucket, which backward completes last,
+is reduced by ``step()`` itself (see ``_register_hooks``). ``step()`` waits only for what is
+still in flight. Parameters whose gradient never appeared in a step (unused branches) are
+reduced as zeros, so no rank waits for them.
 """
 
 from __future__ import annotations
@@ -185,8 +187,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_left: list[int] = []
         self._bucket_flight: list[Any] = []
         self._bucket_flat: list[Any] = []  # (members key, flat tensor, views, use count), kept
-        self._buckets_due = 0
-        self._deferred: int | None = None  # the step's last bucket, reduced by synchronize()
+        self._tail: int | None = None  # the bucket reduced by synchronize() (see _register_hooks)
         # groups: id(p) -> group index; members in model order
         self._group_of: dict[int, int] = {}
         self._groups: list[list[int]] = []
@@ -252,14 +253,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._bucket_left = [len(ids) for ids in self._buckets]
         self._bucket_flight = [None] * len(self._buckets)
         self._bucket_flat = [None] * len(self._buckets)
-        self._buckets_due = len(self._buckets)
+        self._tail = len(self._buckets) - 1 if self._buckets else None
 
     # ----------------------------------------------------------------- hooks
     def _register_hooks(self) -> None:
+        """A hook on every trainable parameter but those of the tail bucket: the last one
+        built, which holds the model's first parameters, whose gradients backward produces
+        last. Nothing is left to overlap it with once they are ready, so ``synchronize()``
+        reduces it (synchronously: with nothing else in flight, the engine's express way),
+        and hooks on its parameters would only cost autograd a call into Python each (on a
+        model of 200 small tensors, about as long as copying its gradients). One of them
+        keeps its hook, so that ``zero_grad()`` between backward and ``step()`` and more
+        backward passes than ``backward_passes_per_step`` are still refused."""
+        tail = self._bucket_params[self._tail][1:] if self._tail is not None else []
+        quiet = set(map(id, tail))
         for p in self._params.values():
             if p.requires_grad:
                 self._requires_update.add(id(p))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
+                if id(p) not in quiet:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook()))
 
     def _make_hook(self) -> Any:
         def hook(p: torch.Tensor) -> None:
@@ -272,17 +284,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bi is not None:
                 if delay == 1:  # its last pass: one more gradient of the bucket is ready
                     left = self._bucket_left[bi] = self._bucket_left[bi] - 1
-                    if left == 0:
-                        self._buckets_due -= 1
-                        if self._buckets_due == 0:
-                            # The step's last bucket: backward is over and this thread is
-                            # about to wait for it in step(). synchronize() reduces it then,
-                            # synchronously: with nothing else in flight that takes the
-                            # engine's express way (no submission, no handle; the engine
-                            # thread is not woken to fight this one over the GIL).
-                            self._deferred = bi
-                        else:
-                            self._submit_bucket(bi)
+                    if left == 0 and bi != self._tail:
+                        self._submit_bucket(bi)
                 return
             if delay > 1:  # still accumulating locally
                 self._handles[pid] = (None, None)
@@ -484,10 +487,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if entry is None or (entry[0] is None and entry[1] != "queued"):
                     self._queue(self._params[pid])
             self._flush()
-            deferred, self._deferred = self._deferred, None
+            tail = self._tail
             for bi, flight in enumerate(self._bucket_flight):
-                if flight is None and bi != deferred:  # gradients missing (unused, or
-                    self._submit_bucket(bi)  # still accumulating)
+                if flight is None and bi != tail:  # gradients missing (unused, or still
+                    self._submit_bucket(bi)  # accumulating)
             for gi in range(len(self._groups)):
                 if any(
                     self._handles.get(pid, (None,))[0] is None
@@ -495,10 +498,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if pid in self._requires_update
                 ):
                     self._submit_group(gi)
-            if deferred is not None:
-                # After the submissions above (in flight meanwhile; the express way is not
-                # taken then), before waiting for anything.
-                self._submit_bucket(deferred, now=True)
+            if tail is not None:
+                # The tail bucket, synchronously: after the submissions above (in flight
+                # meanwhile; the express way is not taken then), before waiting for anything.
+                self._submit_bucket(tail, now=True)
         done: dict[Any, Any] = {}
         for pid, (handle, ctx) in list(self._handles.items()):
             p = self._params[pid]
@@ -533,8 +536,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._loose_ids
 
     def _reset_buckets(self) -> None:
-        self._buckets_due = len(self._buckets)
-        self._deferred = None
         for bi, ids in enumerate(self._buckets):
             self._bucket_left[bi] = len(ids)
             self._bucket_flight[bi] = None
@@ -572,7 +573,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if (
             self._pending
             or any(h is not None for h, _ in self._handles.values())
-            or self._buckets_due < len(self._buckets)
             or any(left < len(b) for left, b in zip(self._bucket_left, self._buckets, strict=True))
         ):
             raise AssertionError(_ZERO_GRAD_RACE)
