@@ -1050,6 +1050,25 @@ def test_training_benchmark_reports_a_failed_reference_process():
         training._run_independent(2, "no_such_model", 1, 1, 1)
 
 
+def test_training_benchmark_pairs_ratios_within_each_pass():
+    """The second table's ratios come from one pass each: median and range over passes."""
+    from horovod.benchmarks import training
+
+    def one(plain, lockstep, hvd, ddp):
+        return {("plain", 1): plain, ("lockstep", 2): lockstep, ("horovod", 2): hvd,
+                ("ddp", 2): ddp}  # fmt: skip
+
+    passes = [one(100, 180, 160, 100), one(50, 90, 90, 80), one(100, 150, 150, 200)]
+    assert training.paired(passes) == [
+        "90% (75%-90%)",  # lockstep / (2 x plain): 0.90, 0.90, 0.75
+        "80% (75%-90%)",  # horovod / (2 x plain): 0.80, 0.90, 0.75
+        "80% (50%-100%)",
+        "1.00x (0.89x-1.00x)",  # horovod / lockstep: 0.89, 1.00, 1.00
+        "1.12x (0.75x-1.60x)",  # horovod / DDP: 1.60, 1.125, 0.75
+    ]
+    # The best of each configuration would pair pass 1's plain with pass 3's DDP instead.
+
+
 @pytest.mark.e2e
 def test_training_benchmark_and_synthetic_example_run():
     from conftest import horovodrun_example, run_module
@@ -1076,6 +1095,8 @@ def test_training_benchmark_and_synthetic_example_run():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == 13, row
     assert float(cells[3]) > 0 and cells[9].endswith("%"), row  # the lockstep reference
+    paired = [line for line in r.stdout.splitlines() if line.startswith("| convnet | 1 |")]
+    assert len(paired) == 1 and paired[0].count("%") == 9 and paired[0].count("x (") == 2
     r = horovodrun_example(
         2,
         "pytorch_synthetic_benchmark.py",

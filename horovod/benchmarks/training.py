@@ -18,7 +18,9 @@ synchronous data-parallel training, but no gradient moves ("lockstep eff."): eve
 lasts as long as the slower rank's, which is what synchronous training costs on the machine
 before any communication, the most horovod.torch or DDP can reach there.
 ``--repeats R`` makes R passes over all configurations in turn and keeps each one's best, so
-that a slow phase of a shared machine lands on every configuration alike.
+that a slow phase of a shared machine lands on every configuration alike. A second table gives
+the ratios computed within each pass (runs made moments apart), their median over the passes
+and their range: how much of a figure is the machine's phase rather than the code.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -188,6 +191,40 @@ def timeline_overhead(models: list[str], steps: int, warmup: int, batch: int, re
         print(f"| {model} | {off:.0f} | {on:.0f} | {on / off:.3f} | {events} |", flush=True)
 
 
+PAIRED = (
+    "lockstep eff. (vs plain)",
+    "horovod eff. (vs plain)",
+    "DDP eff. (vs plain)",
+    "horovod / lockstep at 2",
+    "horovod / DDP at 2",
+)
+
+
+def paired(passes: list[dict[tuple[str, int], float]]) -> list[str]:
+    """The ratios of ``PAIRED``, each computed from the figures of one pass, as "median
+    (lowest-highest)" over the passes. Taking each configuration's best pass (the main table)
+    may pair one configuration's lucky moment with another's unlucky one on a shared
+    machine; a ratio within a pass compares runs made moments apart."""
+
+    def ratios(p: dict[tuple[str, int], float]) -> list[float]:
+        plain2 = 2 * p[("plain", 1)]
+        return [
+            p[("lockstep", 2)] / plain2,
+            p[("horovod", 2)] / plain2,
+            p[("ddp", 2)] / plain2,
+            p[("horovod", 2)] / p[("lockstep", 2)],
+            p[("horovod", 2)] / p[("ddp", 2)],
+        ]
+
+    columns = list(zip(*map(ratios, passes), strict=True))
+    cells = []
+    for name, values in zip(PAIRED, columns, strict=True):
+        fmt = "{:.2f}x" if name.endswith("at 2") else "{:.0%}"
+        mid, lo, hi = statistics.median(values), min(values), max(values)
+        cells.append(f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})")
+    return cells
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="convnet,mlp200")
@@ -226,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "DDP eff. (vs 1 rank / vs plain) | horovod/DDP at 2 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    paired_rows: list[str] = []
     for model in a.models.split(","):
         configs = (
             ("plain", 1),
@@ -237,10 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             ("ddp", 2),
         )
         r = dict.fromkeys(configs, 0.0)
+        passes: list[dict[tuple[str, int], float]] = []
         for _ in range(a.repeats):  # passes over every configuration: a slow phase hits all
+            passes.append({})
             for kind, np_ in configs:
                 got = run(kind, np_, model, a.steps, a.warmup, a.batch_size)
+                passes[-1][(kind, np_)] = got
                 r[(kind, np_)] = max(r[(kind, np_)], got)
+        paired_rows.append(f"| {model} | {len(passes)} | " + " | ".join(paired(passes)) + " |")
         plain = r[("plain", 1)]
 
         def eff(kind: str) -> str:
@@ -254,6 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |",
             flush=True,
         )
+    print(
+        "\nPaired within each pass (the configurations of one pass ran within a minute or two "
+        "of each other), median over the passes (lowest-highest):\n"
+    )
+    print("| model | passes | " + " | ".join(PAIRED) + " |")
+    print("|---|---|" + "---|" * len(PAIRED))
+    for row in paired_rows:
+        print(row)
     return 0
 
 
