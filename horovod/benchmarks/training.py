@@ -274,14 +274,13 @@ def main(argv: list[str] | None = None) -> int:
             ("ddp", 1),
             ("ddp", 2),
         )
-        r = dict.fromkeys(configs, 0.0)
-        passes: list[dict[tuple[str, int], float]] = []
-        for _ in range(a.repeats):  # passes over every configuration: a slow phase hits all
-            passes.append({})
-            for kind, np_ in configs:
-                got = run(kind, np_, model, a.steps, a.warmup, a.batch_size)
-                passes[-1][(kind, np_)] = got
-                r[(kind, np_)] = max(r[(kind, np_)], got)
+        # Passes over every configuration (a slow phase hits all); each one's best pass.
+        passes = [
+            {(kind, np_): run(kind, np_, model, a.steps, a.warmup, a.batch_size)
+             for kind, np_ in configs}
+            for _ in range(a.repeats)
+        ]  # fmt: skip
+        r = {c: max(p[c] for p in passes) for c in configs}
         paired_rows.append(f"| {model} | {len(passes)} | " + " | ".join(paired(passes)) + " |")
         plain = r[("plain", 1)]
 
