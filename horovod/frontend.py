@@ -22,7 +22,8 @@ from horovod.common.dtypes import code_of
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import context as _context
-from horovod.core.engine import NOT_EXPRESS, Entry, Handle
+from horovod.core.express import NOT_EXPRESS
+from horovod.core.handles import Entry, Handle
 from horovod.core.messages import (
     ADASUM_OP,
     ALLGATHER,

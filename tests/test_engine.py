@@ -538,7 +538,7 @@ def _shm_engines(n: int, **kw):
 
 def _submit(eng, name: str, x: np.ndarray):
     from horovod.common.dtypes import code_of
-    from horovod.core.engine import Entry, Handle
+    from horovod.core.handles import Entry, Handle
     from horovod.core.messages import SUM, Request
 
     h = Handle(1)
@@ -650,7 +650,7 @@ def _submit_op(
     """Submit one op; ``wake=False``: as the frontend's synchronous calls do (the caller
     waits at once, and a lone small cached op may run its round on the calling thread)."""
     from horovod.common.dtypes import code_of
-    from horovod.core.engine import Entry, Handle
+    from horovod.core.handles import Entry, Handle
     from horovod.core.messages import SUM, Request
 
     h = Handle(1)
@@ -850,7 +850,8 @@ def _sync(eng, op: int, name: str, x: np.ndarray, out=None, reduce_op: int = 1, 
     """A frontend's synchronous call: the express way, or (``NOT_EXPRESS``) submitted with
     ``wake=False`` and waited for. Returns (result, whether it went express)."""
     from horovod.common.dtypes import code_of
-    from horovod.core.engine import NOT_EXPRESS, Entry, Handle
+    from horovod.core.express import NOT_EXPRESS
+    from horovod.core.handles import Entry, Handle
     from horovod.core.messages import Request
 
     got = eng.express(op, name, x, out, reduce_op, root, lambda: SITE)
@@ -868,7 +869,7 @@ def _express_taken(eng, name: str, x: np.ndarray):
     """``eng.express`` of an allreduce (Sum) of ``x``, tried until it qualifies: a peer's
     messages or the engine thread can make it decline for a moment, and declining posts
     nothing, so trying again is safe. Fails the test if it never does."""
-    from horovod.core.engine import NOT_EXPRESS
+    from horovod.core.express import NOT_EXPRESS
     from horovod.core.messages import SUM
 
     for _ in range(2000):
@@ -1013,7 +1014,7 @@ def test_a_failure_inside_an_express_plane_round_fails_the_call_and_the_job(monk
     with the error and the caller's file and line, aborts the job on every rank and leaves
     the engine free."""
     from horovod.common.exceptions import HorovodInternalError, TransportError
-    from horovod.core.engine import NOT_EXPRESS
+    from horovod.core.express import NOT_EXPRESS
     from horovod.core.messages import SUM
 
     engines = _shm_engines(2)
@@ -1060,7 +1061,7 @@ def test_express_refuses_what_it_cannot_run_and_leaves_no_trace():
     op, root), the express way switched off, or another op in flight on the rank: the call
     returns ``NOT_EXPRESS`` with nothing posted, no entry made, the engine free. A check that
     raises fails the call and leaves the engine free too."""
-    from horovod.core.engine import NOT_EXPRESS
+    from horovod.core.express import NOT_EXPRESS
     from horovod.core.messages import MAX, SUM
 
     engines = _shm_engines(2)
@@ -1346,28 +1347,28 @@ def test_a_plane_round_posted_after_a_list_the_peer_has_not_run_falls_back():
 
 
 def test_round_decisions_need_the_same_ops_kind_bytes_and_list_count():
-    from horovod.core.engine import _decide
     from horovod.core.messages import Response
+    from horovod.core.peer_rounds import decide
 
     ag = Response(ALLGATHER, 0, ["allgather.x"], dtype=7, shapes=[(2, 5)], dim0s=[[2, 3]])
     bc = Response(BROADCAST, 0, ["broadcast.b"], dtype=7, shapes=[(4,)], root=1)
     items = [(None, ag), (None, bc)]
     mem = memoryview(bytes(100))
     # Data rounds: rank 1 posts its 3 rows of 5 float32s and, as root, the 4 broadcast ones.
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "data"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 2 << 1, [4, 5], mem[:76], -1)]) == "data"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:60], -1)]) == "fallback"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [5, 4], mem[:76], -1)]) == "fallback"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [], mem[:0], -1)]) == "fallback"
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
+    assert decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "data"
+    assert decide(items, [4, 5], 6 << 1, [(1, 2 << 1, [4, 5], mem[:76], -1)]) == "data"
+    assert decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:60], -1)]) == "fallback"
+    assert decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [5, 4], mem[:76], -1)]) == "fallback"
+    assert decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [], mem[:0], -1)]) == "fallback"
+    assert decide(items, [4, 5], 6 << 1, [(1, 6 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
     # With the bytes per rank the poster already knows (rank 0: 2 rows, no broadcast part).
-    assert _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76], -1)], [40, 76]) == "data"
+    assert decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:76], -1)], [40, 76]) == "data"
     assert (
-        _decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:40], -1)], [40, 76]) == "fallback"
+        decide(items, [4, 5], 6 << 1, [(1, 6 << 1, [4, 5], mem[:40], -1)], [40, 76]) == "fallback"
     )
     # Plane rounds: same ids after the same number of response lists.
     tag = 6 << 1 | 1
-    assert _decide(items, [4, 5], tag, [(1, tag, [4, 5], mem[:0], -1)]) == "plane"
-    assert _decide(items, [4, 5], tag, [(1, 7 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
-    assert _decide(items, [4, 5], tag, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "fallback"
-    assert _decide(items, [4, 5], tag, [(1, tag, [4], mem[:0], -1)]) == "fallback"
+    assert decide(items, [4, 5], tag, [(1, tag, [4, 5], mem[:0], -1)]) == "plane"
+    assert decide(items, [4, 5], tag, [(1, 7 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
+    assert decide(items, [4, 5], tag, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "fallback"
+    assert decide(items, [4, 5], tag, [(1, tag, [4], mem[:0], -1)]) == "fallback"

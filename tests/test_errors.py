@@ -59,7 +59,7 @@ def test_op_mismatch():
 def test_collective_type_mismatch():
     """The same core name submitted as allreduce on one rank and allgather on another."""
     from horovod.core.context import current
-    from horovod.core.engine import Entry, Handle
+    from horovod.core.handles import Entry, Handle
     from horovod.core.messages import ALLGATHER, ALLREDUCE, Request
 
     def body(rank):
@@ -128,7 +128,7 @@ def test_duplicate_name_in_flight_is_value_error_at_call():
 
 def test_duplicate_name_within_one_submission():
     from horovod.core.context import current
-    from horovod.core.engine import Entry, Handle
+    from horovod.core.handles import Entry, Handle
     from horovod.core.messages import ALLREDUCE, Request
 
     def body(rank):
@@ -293,7 +293,7 @@ def test_crashed_rank_is_named_on_every_other_rank():
 
 def test_device_mismatch():
     from horovod.core.context import current
-    from horovod.core.engine import Entry, Handle
+    from horovod.core.handles import Entry, Handle
     from horovod.core.messages import ALLREDUCE, Request
 
     def body(rank):

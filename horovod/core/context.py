@@ -30,7 +30,8 @@ from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import pool
 from horovod.core.autotune import Autotuner, Params
-from horovod.core.engine import Engine, Handle
+from horovod.core.engine import Engine
+from horovod.core.handles import Handle
 from horovod.core.messages import decode, encode
 from horovod.core.timeline import Timeline
 from horovod.rendezvous.store import HTTPStoreClient, MemoryStore, Store

@@ -33,7 +33,7 @@ from horovod.core.messages import (
 from horovod.transport.base import as_bytes
 
 if TYPE_CHECKING:
-    from horovod.core.engine import Entry
+    from horovod.core.handles import Entry
 
 Trace = Callable[[str | None], None]
 UFUNCS = {SUM: np.add, AVERAGE: np.add, MIN: np.minimum, MAX: np.maximum, PRODUCT: np.multiply}

@@ -23,7 +23,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from horovod.core.messages import Response
 
 _STOP = object()
 
@@ -266,3 +269,12 @@ class Timeline:
             self.closed = True
             self.flush()
             self.writer.close()
+
+
+def timeline_row(ps_id: int, name: str) -> str:
+    """A tensor's row in the timeline (names are unique per process set)."""
+    return name if ps_id == 0 else f"{name} [process set {ps_id}]"
+
+
+def timeline_rows(resp: Response) -> list[str]:
+    return [timeline_row(resp.ps_id, n) for n in resp.names]

@@ -1,0 +1,235 @@
+"""Who runs the engine: the engine thread's loop on a polled transport, and a waiting thread
+running the engine itself.
+
+On a ``PolledTransport`` (shared memory) the thread that waits for a result takes the engine's
+``drive`` lock and runs the loop until its handle completes or nothing arrives for the spin
+time, then hands over to the engine thread, which sleeps in the transport until woken. Owns:
+``drive``, the lease a returning thread keeps, waking (kicking) the sleeping engine thread,
+and collecting events from the transport's rings and the inbox. See "Who runs the engine" and
+"The engine lease" in docs/architecture.md.
+
+Must not touch: what the events mean (``Engine._handle``), rounds' decisions."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+
+from horovod.common.exceptions import TransportError, shutdown_message
+from horovod.common.log import logger
+from horovod.core.handles import Entry, Handle
+from horovod.core.messages import (
+    decode,
+)
+from horovod.core.peer_rounds import PeerRounds
+from horovod.transport.shm import _fence
+
+MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
+
+
+class Driving(PeerRounds):
+    """The layer that lets a waiting thread run the engine (see the module docstring)."""
+
+    def wake(self) -> None:
+        """Make sure a sleeping engine thread looks at the inbox."""
+        if self.fast and self._sleeping:
+            self._kick()
+
+    def _kick(self) -> None:
+        """Wake the sleeping engine thread: one datagram until it has woken (a thread that
+        ends ops faster than the engine thread gets a core would otherwise send one per op)."""
+        if not self._kicked:
+            self._kicked = True
+            self.transport.kick()  # type: ignore[attr-defined]
+
+    def _post(self, ev: tuple) -> None:
+        self.inbox.put(ev)
+        if self.fast and self._sleeping:
+            self._kick()
+
+    def _collect(self) -> list[tuple]:
+        """Events for the thread running the engine: control messages from same-host ranks
+        (read from shared memory), then everything posted to the inbox."""
+        batch: list[tuple] = []
+        for peer, payload in self.transport.poll_fast():  # type: ignore[attr-defined]
+            try:
+                msg = decode(payload)
+            except Exception as e:
+                self._abort(f"rank {peer} sent a malformed control message ({e})")
+                continue
+            if msg[0] == "P" and msg[2] is not None:
+                self.closing = True
+            batch.append(("ctl", peer, msg))
+        if self.board is not None and self.board.due():
+            batch.append(("round",))
+        inbox = self.inbox
+        while not inbox.empty():
+            try:
+                batch.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _busy(self) -> bool:
+        return not self.inbox.empty() or self._stop_now
+
+    def _run_fast(self) -> None:
+        t = self.transport
+        clock = time.perf_counter
+        try:
+            while not self._stop_now:
+                lease = self._lease_until - clock()
+                if lease > 0 and not self._busy():
+                    # A waiting thread ran the engine a moment ago and will most likely be
+                    # back: leave the work to it until its lease ends (a kick ends this early).
+                    self._sleep_until = time.monotonic() + lease
+                    self._sleeping = True
+                    try:
+                        if not self._busy():
+                            t.nap(lease)  # type: ignore[attr-defined]
+                    finally:
+                        self._sleeping = False
+                        self._kicked = False
+                    continue
+                with self.drive:
+                    if self._stop_now:
+                        break
+                    if not self._handle(self._collect()):
+                        break
+                    timeout = self._timeout()
+                    if timeout == 0 or self._busy():
+                        continue
+                    if self._lease_until > clock():
+                        continue  # a thread ran the engine meanwhile: its lease starts again
+                    # No lease: peers must wake this thread from now on (set before the
+                    # sleep's last look at the rings, so no message slips in between).
+                    t.set_driving(False)  # type: ignore[attr-defined]
+                    if self.coordinator is not None:
+                        # Wake at least every second: a thread that runs the engine need not
+                        # kick this one for far timers (stall checks), only for near ones.
+                        timeout = MAX_SLEEP_S if timeout is None else min(timeout, MAX_SLEEP_S)
+                    self._sleep_until = None if timeout is None else time.monotonic() + timeout
+                    self._sleeping = True
+                try:
+                    t.sleep(timeout, self._busy)  # type: ignore[attr-defined]
+                finally:
+                    self._sleeping = False
+                    self._kicked = False
+        except TransportError as e:
+            self._abort(str(e))
+        except Exception as e:
+            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+            self._abort(f"internal error on rank {self.rank}: {type(e).__name__}: {e}")
+        finally:
+            self._stop_now = True
+            self._close_table(self.closed or shutdown_message())
+
+    def run_until(self, handle: Handle) -> None:
+        """Run the engine on the calling thread until ``handle`` completes, as long as there is
+        work or for up to the spin time without any; then leave it to the engine thread."""
+        if self._stop_now or not self.drive.acquire(blocking=False):
+            return
+        self._drive(handle)
+
+    def _drive(self, handle: Handle, quick: Entry | None = None) -> None:
+        """``run_until`` with ``drive`` held; ``quick``: first run this entry's data round
+        the quick way (``_quick``)."""
+        self.transport.set_driving(True)  # type: ignore[attr-defined]
+        clock = time.perf_counter
+        try:
+            deadline = clock() + self.spin_s
+            if quick is not None:
+                self._quick(quick, deadline)
+                if handle.done():
+                    return
+            due = self._timeout()
+            timer = clock() + due if due is not None else float("inf")
+            while not handle.done() and not self._stop_now:
+                batch = self._collect()
+                now = clock()
+                if batch or now >= timer:
+                    if not self._handle(batch):
+                        self._stop_now = True
+                        break
+                    if handle.done():
+                        break
+                    due = self._timeout()
+                    now = clock()
+                    timer = now + due if due is not None else float("inf")
+                    deadline = now + self.spin_s
+                elif now > deadline:
+                    break
+                elif self._yield:
+                    os.sched_yield()  # more ranks than cores: let the one we wait for run
+        except BaseException as e:
+            self._driving_failed(e)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self._leave(handle.done())
+
+    def _driving_failed(self, err: BaseException) -> None:
+        """``err`` escaped while a waiting thread ran the engine: abort the job with its
+        reason (a transport error's, an internal error logged with its traceback, or an
+        interrupt: KeyboardInterrupt, SystemExit, possibly mid-collective)."""
+        if isinstance(err, TransportError):
+            self._abort(str(err))
+        elif isinstance(err, Exception):
+            logger.error("engine failure on rank %d:\n%s", self.rank, traceback.format_exc())
+            self._abort(f"internal error on rank {self.rank}: {type(err).__name__}: {err}")
+        else:
+            self._abort(
+                f"rank {self.rank} was interrupted ({type(err).__name__}) while running a "
+                "collective; its collectives cannot continue"
+            )
+
+    def _enter(self) -> None:
+        """(``drive`` held.) A waiting thread starts running the engine: peers need not wake
+        the engine thread meanwhile. Did it come back within a lease of the last one leaving?"""
+        self._back_soon = time.perf_counter() - self._left_at < self.lease_s
+        self.transport.set_driving(True)  # type: ignore[attr-defined]
+
+    def _leave(self, done: bool) -> None:
+        """Release ``drive`` after running the engine on a waiting thread (``done``: its
+        handle completed)."""
+        t = self.transport
+        self._left_at = now = time.perf_counter()
+        if done and self._back_soon and not self._stop_now:  # (never with no lease time)
+            # Done, and this thread came back quickly the last time: it is probably back
+            # soon again (a loop of synchronous calls). It keeps the engine for a short
+            # lease: "driving" stays published, and the engine thread leaves new work to it
+            # until the lease ends. (A thread that comes back only after a training step's
+            # compute gets none: the engine thread would be kicked and woken for nothing.)
+            self._lease_until = now + self.lease_s
+            _fence()
+            self.drive.release()
+            if self._sleeping:
+                until = self._sleep_until
+                if until is None or until > time.monotonic() + 2 * self.lease_s:
+                    # It sleeps past the lease's end and would not take over then.
+                    self._kick()
+                elif self._busy():
+                    self._kick()
+        else:
+            # Gave up waiting (or stopping): the engine thread takes over at once.
+            self._lease_until = 0.0
+            t.set_driving(False)  # type: ignore[attr-defined]
+            _fence()
+            self.drive.release()
+            self._after_drive(force=not done)
+
+    def _after_drive(self, force: bool = False) -> None:
+        """The engine thread may be asleep with a deadline set before this thread ran the
+        engine: wake it if there is work now or a timer it does not know about."""
+        if not self._sleeping:
+            return
+        t = self.transport
+        due = self._timeout()
+        wake = force or self._stop_now or self._busy() or t.fast_pending()  # type: ignore[attr-defined]
+        if not wake and due is not None:
+            until = self._sleep_until
+            wake = until is None or time.monotonic() + due < until
+        if wake:
+            self._kick()

@@ -1,0 +1,228 @@
+"""What every part of the engine shares: configuration, the table of entries in flight, the
+process sets, the peer-round state and the locks, built once in ``EngineState.__init__``.
+
+The parts (``executor``, ``peer_rounds``, ``driving``, ``express``, ``engine``) are layers of
+one object, each adding the methods of its concern; this module gives them their common
+attributes, the few primitives all of them use (``_send``, ``_register``, ``_close_table``),
+and declares the engine methods that lower layers call (``_handle``, ``_abort``, ...), so each
+layer type-checks on its own. It holds no logic of any path: a new attribute is added here,
+its use in the part that owns it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from horovod.core import ops
+from horovod.core.autotune import Autotuner
+from horovod.core.coordinator import Coordinator
+from horovod.core.handles import Entry
+from horovod.core.messages import (
+    Response,
+)
+from horovod.core.set_state import SetState
+from horovod.core.timeline import Timeline
+from horovod.transport.base import Transport
+from horovod.transport.shm import BOARD_DATA
+
+LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its wait
+# Longest that a rank with nothing in flight leaves a peer's round unanswered (waiting to post
+# the same ops itself: ranks of a training job reach their gradients at slightly different
+# times). Capped at a tenth of the stall-check time, so stalls still reach rank 0 early.
+ANSWER_WAIT_MAX_S = 0.5
+
+
+class EngineState:
+    """The state of one rank's engine (see the module docstring); subclassed by the parts."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        transport: Transport,
+        *,
+        fusion_threshold: int,
+        cycle_time_ms: float,
+        cache_capacity: int,
+        disable_group_fusion: bool = False,
+        stall_check_seconds: float = 60.0,
+        stall_shutdown_seconds: float = 0.0,
+        process_sets: Sequence[Sequence[int]] = (),
+        clock: Callable[[], float] = time.monotonic,
+        main_ident: int | None = None,
+        other_threads: bool = False,
+        stack_signal_pids: dict[int, int] | None = None,
+        wait_summary_seconds: float = 0.0,
+        on_fatal_report: Callable[[str], None] | None = None,
+        timeline: Timeline | None = None,
+        autotuner: Autotuner | None = None,
+        eager_bytes: int = 0,
+        peer_rounds: bool = True,
+    ) -> None:
+        self.rank, self.size, self.transport = rank, size, transport
+        # Cache-hit allreduces of at most this many bytes per rank travel with their requests
+        # and come back reduced in the response list (see "Eager allreduce" in the docs).
+        self.eager_bytes = eager_bytes
+        self.fusion_threshold = fusion_threshold
+        self.cycle_s = cycle_time_ms / 1000.0
+        self.cache_capacity = cache_capacity
+        self.disable_group_fusion = disable_group_fusion
+        self.clock = clock
+        self.main_ident = main_ident  # the thread that called hvd.init() (for stacks)
+        self.other_threads = other_threads  # report the application's other threads too
+        self.stack_signal_pids = stack_signal_pids or {}
+        self.on_fatal_report = on_fatal_report or (lambda text: None)
+        self.timeline = timeline  # only ever set on rank 0
+        self.autotuner = autotuner  # only ever set on rank 0
+        self.inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self.table: dict[tuple[int, str], Entry] = {}
+        self.unsent = 0  # entries in the table that the engine has not picked up yet
+        self.running: list[Entry | None] = []  # entries of the response being executed
+        self.lock = threading.Lock()
+        self.closed: str | None = None  # set once: why no more work is accepted
+        self.closing = False  # a clean shutdown is under way
+        self.buffers = ops.Buffers()
+        self.sets: dict[int, SetState] = {}
+        self.stats = {
+            "cycles": 0,
+            "responses": 0,
+            "fused_responses": 0,
+            "cache_hits_sent": 0,
+            "requests_sent": 0,
+            "responses_run_by_caller": 0,  # executed by a waiting application thread
+            "eager_sent": 0,  # cache hits sent with their data
+            "eager_responses": 0,  # responses that arrived reduced (no data-plane round)
+            "rounds_posted": 0,  # peer rounds this rank posted ops to
+            "rounds_run": 0,  # ... that every rank posted the same to (run without rank 0)
+            "quick_rounds": 0,  # ... posted by a waiting thread for a lone op (``_quick``)
+            "express": 0,  # ... of those, synchronous calls that were never submitted
+            "express_plane": 0,  # ... of those, allreduces run on the data plane
+            "slot_outputs": 0,  # allgather results built in this rank's output slots
+        }
+        self._register(0, range(size))
+        for i, ranks in enumerate(process_sets, start=1):
+            self._register(i, ranks)
+        self.coordinator = (
+            Coordinator(
+                self,
+                stall_check_seconds,
+                stall_shutdown_seconds,
+                first_free=len(process_sets) + 1,
+                wait_summary_seconds=wait_summary_seconds,
+            )
+            if rank == 0
+            else None
+        )
+        self._shutdown_asked = False
+        # Shared-memory transports let the thread that waits for a result run the engine
+        # itself (no hand-off to the engine thread and back); ``drive`` is held by whichever
+        # thread runs it. See docs/architecture.md, "Who runs the engine".
+        self.fast = callable(getattr(transport, "poll_fast", None))
+        self.drive = threading.Lock()
+        self.spin_s = float(getattr(transport, "spin_s", 0.0))
+        self._yield = bool(getattr(transport, "oversubscribed", False))
+        self._sleeping = False  # the engine thread is blocked in transport.sleep()
+        self._kicked = False  # ... and has been kicked since it last woke
+        self._sleep_until: float | None = None
+        self._stop_now = False
+        # A thread that has just run the engine to completion is likely back in a moment (a loop
+        # of synchronous calls). Until ``_lease_until`` the engine thread leaves the work to it,
+        # and this rank keeps telling its same-host peers that a thread polls actively, so they
+        # do not pay a wake-up datagram (a system call on their critical path, and a thread
+        # woken here for nothing). When the lease runs out the engine thread takes over.
+        self.lease_s = min(10 * self.spin_s, LEASE_MAX_S)
+        self._lease_until = 0.0
+        # Only a thread that came back within a lease of the last one leaving gets a lease
+        # (a loop of calls): granting one costs a kick of the sleeping engine thread, which
+        # then wakes twice for nothing, in the middle of a training step's compute.
+        self._left_at = float("-inf")
+        self._back_soon = False
+        # Peer rounds (every rank on this host, see "Peer rounds" in docs/architecture.md):
+        # a lone small cache-hit allreduce is posted to every peer instead of rank 0, and run
+        # by every rank itself once all of them posted the same.
+        # Every rank with a board answers its peers' rounds, even one that posts none itself
+        # (HOROVOD_PEER_ROUNDS and the eager budget need not agree between ranks).
+        self.board = getattr(transport, "board", None)
+        self.peer_rounds = peer_rounds
+        # Small allreduces, allgathers and broadcasts post their data and every rank computes
+        # the results from the posts ("data" rounds); other cached ops post only their ids
+        # and run on the data plane ("plane" rounds).
+        self.round_budget = min(eager_bytes, BOARD_DATA)
+        # A lone small cached op that its thread waits for at once runs its data round on
+        # that thread without the engine's event handling (``_quick``).
+        self.quick = True
+        # ... and the frontends' synchronous calls of such ops skip submission altogether
+        # (``express``); ``express_key`` is the table key of the one in progress, if any.
+        self.express_on = True
+        self.express_key: tuple[int, str] | None = None
+        self.round_items: list[tuple[Entry, Response]] = []  # this rank's post, if open
+        self.round_cids: list[int] = []
+        self.round_tag = 0
+        self.round_totals: list[int] = []  # bytes each rank posts in this rank's data round
+        self.round_out = -1  # the output slot that holds this rank's block of its round, if any
+        # Bytes each rank posts for a cached op in a data round, by cache id (ids are never
+        # reused, so entries never go stale; cleared now and then to bound the memory).
+        self._posted_by_cid: dict[int, tuple[int, ...]] = {}
+        # Response lists processed so far (every rank processes the same lists in the same
+        # order). A plane round runs only where every rank posted at the same count, and a
+        # rank holds back the lists that arrive after its plane post until the round is
+        # decided, so every pair of ranks meets the round at the same place in its channels.
+        self.lists_done = 0
+        self.held: list[tuple] = []
+        if stall_check_seconds > 0:
+            self.answer_wait_s = min(ANSWER_WAIT_MAX_S, stall_check_seconds / 10)
+        else:
+            self.answer_wait_s = ANSWER_WAIT_MAX_S
+        self.answer_by = 0.0
+        self.round_warn_s = stall_check_seconds
+        self.round_warn_at = 0.0
+        self.round_posted_at = 0.0
+        self._thread = threading.Thread(
+            target=self._run, name=f"horovod-engine-{rank}", daemon=True
+        )
+
+    def _send(self, peer: int, payload: bytes) -> None:
+        """Engine-to-engine messages: through shared memory when the peer shares this host."""
+        if self.fast:
+            self.transport.send_fast(peer, payload)  # type: ignore[attr-defined]
+        else:
+            self.transport.send_ctrl(peer, payload)
+
+    def _register(self, ps_id: int, ranks: Sequence[int]) -> None:
+        self.sets[ps_id] = SetState(
+            ps_id, ranks, self.transport, self.cache_capacity, coordinator=self.rank == 0
+        )
+
+    def _close_table(self, reason: str, only_set: int | None = None) -> None:
+        with self.lock:
+            if only_set is None and self.closed is None:
+                self.closed = reason
+            doomed = [k for k in self.table if only_set is None or k[0] == only_set]
+            entries = [self.table.pop(k) for k in doomed]
+            if only_set is None:
+                entries += [e for e in self.running if e is not None]
+                self.running = []
+        for e in entries:
+            e.handle._complete(e.index, error=reason)
+
+    # ------------------------------------------------------------ provided by the Engine
+    # (declared here for the parts that call them; ``Engine`` defines them)
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _abort(self, reason: str, broadcast: bool = True) -> None:
+        raise NotImplementedError
+
+    def _handle(self, batch: list[tuple]) -> bool:
+        raise NotImplementedError
+
+    def _timeout(self) -> float | None:
+        raise NotImplementedError
+
+    def _send_requests(self, entries: list[Entry], rounds: bool = True) -> None:
+        raise NotImplementedError
+
+    def _quick(self, e: Entry, deadline: float) -> None:  # (``ExpressPaths``)
+        raise NotImplementedError

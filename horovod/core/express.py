@@ -1,0 +1,317 @@
+"""The fast paths of synchronous calls: the quick way and the express way.
+
+*Quick*: a lone cached op that its submitting thread waits for at once posts its data round
+and computes the result on that thread (``_alone`` admits it, ``_quick`` runs it). *Express*:
+a frontend's synchronous call of such an op skips submission altogether (``express``): no
+request, entry or handle unless the round cannot be finished on the spot, when the entry is
+made in the state a submission would have had and the general path goes on. Both compute with
+the same functions as the peer rounds, so they give the same bits. See "Quick rounds" and "The
+express way" in docs/architecture.md.
+
+Must not change any state unless the op is taken: a call that does not qualify returns
+``NOT_EXPRESS`` having done nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+
+from horovod.common.dtypes import CODE_OF
+from horovod.core import ops, pool
+from horovod.core.driving import Driving
+from horovod.core.handles import BareEntry, Entry, Handle, np_alloc
+from horovod.core.messages import (
+    ALLGATHER,
+    ALLREDUCE,
+    BROADCAST,
+    CPU_DEVICE,
+    Request,
+    Response,
+)
+from horovod.core.numerics import fold, one_fold
+from horovod.core.peer_rounds import decide
+from horovod.transport.shm import BOARD_DATA
+
+# ``Engine.express``: the op did not take the express way (the caller submits it as usual).
+NOT_EXPRESS: Any = object()
+
+
+class ExpressPaths(Driving):
+    """The quick and express layer of the engine (see the module docstring)."""
+
+    def _alone(self, e: Entry) -> bool:
+        """(Called under ``self.lock`` by the submitting thread, which waits for ``e`` at once.)
+        Can ``e`` take the quick way: nothing else in flight on this rank, the engine free,
+        and ``e`` a cached op of the global set small enough for a data round? Then the
+        calling thread holds ``drive`` on return, and ``_quick`` runs the round."""
+        if (
+            self.table
+            or self.unsent
+            or not self.peer_rounds
+            or self.board is None
+            or self.timeline is not None
+            or self.autotuner is not None
+            or not self.fast
+            or self.closing
+            or self._stop_now
+        ):
+            return False
+        req = e.request
+        op = req.op
+        if req.ps_id != 0 or not (
+            op == ALLGATHER or op == BROADCAST or (op == ALLREDUCE and req.reduce_op in ops.UFUNCS)
+        ):
+            return False
+        if not self.drive.acquire(blocking=False):
+            return False
+        try:
+            ss = self.sets[0]
+            cid = None
+            if self._may_post(op, e.array.nbytes):
+                cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
+            if cid is not None:
+                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, ss.cache.live[cid])
+                if max(sizes) <= BOARD_DATA:
+                    e.cid = cid
+                    return True
+        except BaseException:
+            self.drive.release()
+            raise
+        self.drive.release()
+        return False
+
+    def _post_lone(
+        self, cid: int, resp: Response, array: np.ndarray, alloc: Any, plane: bool = False
+    ) -> tuple:
+        """Post a lone op's data round (``drive`` held): its data, or an allgather's block in
+        an output slot; with ``plane``, a plane round (its id only, as ``_post_round`` posts
+        it). Returns (tag, output slot or -1)."""
+        out = self._out_post(array, alloc, resp, cid) if resp.op == ALLGATHER else -1
+        if plane or out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
+            parts = []
+        else:
+            raw: Any = array.reshape(-1).view(np.uint8)
+            parts = [memoryview(raw)]
+        tag = self.lists_done << 1 | plane
+        self.transport.board_post((cid,), parts, tag, out)  # type: ignore[attr-defined]
+        stats = self.stats
+        stats["rounds_posted"] += 1
+        stats["quick_rounds"] += 1
+        return tag, out
+
+    def _quick(self, e: Entry, deadline: float) -> None:
+        """A lone small cached op that the calling thread (holding ``drive``) waits for at
+        once: post its data round, wait for the peers' posts until ``deadline`` and compute
+        the result, without the engine's event handling (what ``submit`` and ``run_until``
+        do, less their generality). Anything else arriving meanwhile (a control message, a
+        submission from another thread) or a longer wait leaves the state as the general path
+        would have it, and ``run_until`` (``_drive``) or the engine thread goes on from there.
+        A peer that posted something else makes the round fall back to rank 0 as usual."""
+        cid = e.cid
+        assert cid is not None
+        resp = self.sets[0].cache.live[cid]
+        tag, out = self._post_lone(cid, resp, e.array, e.alloc)
+        self._open_round(e, resp, cid, tag, out)
+        if self._await_posts(deadline):
+            self._close_round()
+
+    def express(
+        self,
+        op: int,
+        name: str,
+        arr: np.ndarray,
+        out: np.ndarray | None,
+        reduce_op: int,
+        root: int,
+        site: Callable[[], str],
+    ) -> Any:
+        """A frontend's synchronous call of an op that ``_alone`` would admit, run on the
+        calling thread without being submitted at all: no request, entry or handle unless the
+        round cannot be finished here (the quick way still pays for all three, and for the
+        frontend's checks, which cost more than the round itself on a small op).
+
+        ``name``: the core name (``allreduce.x``); ``arr``: a C-contiguous array; ``out``: the
+        result's array for an allreduce or broadcast (``arr`` itself in place, None: a new
+        one), None for an allgather; ``reduce_op`` and ``root`` as in the request (SUM and -1
+        where they do not apply); ``site()``: the caller's file and line, for errors.
+
+        Returns the result, or ``NOT_EXPRESS`` when the op does not qualify: nothing happened
+        then, and the caller submits it as usual (which raises for bad arguments: an op whose
+        request differs from its cached response never qualifies). Whatever the quick way
+        leaves to the general path (a peer slower than the spin, a control message or a
+        submission from another thread arriving, a fallback to rank 0, an allgather's result,
+        an error) gets its entry at that point, in the state a submission would have had, and
+        goes on from there."""
+        if (
+            self.table
+            or self.unsent
+            or self.express_key is not None
+            or not self.express_on
+            or not self.quick
+            or not self.peer_rounds
+            or self.board is None
+            or self.timeline is not None
+            or self.autotuner is not None
+            or not self.fast
+            or self.closing
+            or self._stop_now
+            or self.closed is not None
+        ):
+            return NOT_EXPRESS
+        code = CODE_OF.get(arr.dtype)
+        if code is None:
+            return NOT_EXPRESS
+        ss = self.sets[0]
+        cache = ss.cache
+        sig = (op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, None)
+        cid = cache.lookup(name, sig, ss.set_rank)
+        if cid is None:
+            return NOT_EXPRESS
+        self.express_key = (0, name)  # from here a submission under this name is refused
+        if self.table or not self.drive.acquire(blocking=False):
+            self.express_key = None
+            return NOT_EXPRESS
+        resp: Response | None = None
+        plane = False  # an allreduce too large for a data round: a plane round
+        try:
+            if self._may_post(op, arr.nbytes, plane=op == ALLREDUCE):
+                live = cache.live[cid]
+                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
+                data = max(sizes) <= BOARD_DATA and (
+                    op != ALLREDUCE or arr.nbytes <= self.round_budget
+                )
+                if data or op == ALLREDUCE:
+                    plane = not data
+                    resp = live  # (set last: nothing after it can raise)
+        finally:
+            if resp is None:  # it does not qualify after all (or a check raised)
+                self.express_key = None
+                self.drive.release()
+        if resp is None:
+            return NOT_EXPRESS
+        if out is None and op != ALLGATHER:
+            out = pool.POOL.empty(arr.shape, arr.dtype)
+        e: Entry | None = None
+        board = self.board
+        try:
+            self._enter()
+            deadline = time.perf_counter() + self.spin_s
+            tag, outk = self._post_lone(cid, resp, arr, np_alloc, plane)
+            self.stats["express"] += 1
+            ready = self._await_posts(deadline)
+            if ready:
+                posts = board.read()
+                if decide([(None, resp)], [cid], tag, posts, sizes) == (
+                    "plane" if plane else "data"
+                ):
+                    board.open = False
+                    if plane:
+                        assert out is not None  # (made above for an allreduce)
+                        result = self._express_plane(resp, arr, out)
+                    else:
+                        result = self._express_result(op, resp, arr, out, posts, outk)
+                    self.express_key = None
+                    self._leave(True)
+                    return result
+            # The general path from here, as if the op had been submitted and posted.
+            e = self._express_entry(op, name, arr, out, reduce_op, root, cid, site)
+            self._open_round(e, resp, cid, tag, outk)
+            if ready:
+                self._close_round()
+        except BaseException as err:
+            if e is None:
+                e = self._express_entry(op, name, arr, out, reduce_op, root, cid, site)
+            self._driving_failed(err)
+            self._leave(e.handle.done())
+            if not isinstance(err, Exception):
+                raise
+            return e.handle.wait()[0]
+        self._drive(e.handle)
+        return e.handle.wait()[0]
+
+    def _express_entry(
+        self,
+        op: int,
+        name: str,
+        arr: np.ndarray,
+        out: np.ndarray | None,
+        reduce_op: int,
+        root: int,
+        cid: int,
+        site: Callable[[], str],
+    ) -> Entry:
+        """The entry (and handle) that submitting an express op would have made, in the table
+        (or failed at once if the table is closed meanwhile)."""
+        where = site()
+        handle = Handle(1, where)
+        if self.fast:
+            handle.driver = self.run_until
+        code = CODE_OF[arr.dtype]
+        req = Request(
+            0, name, op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, -1, site=where
+        )
+        e = Entry(req, arr, out, handle)
+        e.cid = cid
+        with self.lock:
+            if self.closed is not None:
+                handle._complete(0, error=self.closed)
+            else:
+                self.table[(0, name)] = e
+            self.express_key = None
+        return e
+
+    def _express_result(
+        self,
+        op: int,
+        resp: Response,
+        arr: np.ndarray,
+        out: Any,
+        posts: list[tuple],
+        outk: int,
+    ) -> np.ndarray:
+        """An express call's result from its data round's ``posts`` (``outk``: this rank's
+        output slot holding its block of an allgather, or -1), as ``_run_round`` computes it
+        (the same bits)."""
+        me, n = self.rank, self.size
+        stats = self.stats
+        stats["rounds_run"] += 1
+        stats["responses"] += 1
+        stats["responses_run_by_caller"] += 1
+        data: list[Any] = [None] * n
+        outs = [-1] * n
+        for r, _, _, d, o in posts:
+            data[r] = d
+            outs[r] = o
+        if op == ALLGATHER:
+            outs[me] = outk
+            res = self._gathered(resp, arr, np_alloc, data, [0] * n, outs)
+            self._out_done(outs)
+            return res
+        if op == BROADCAST:
+            return self._broadcasted(resp, arr, out, data, [0] * n)
+        stats["eager_responses"] += 1
+        mine = arr.reshape(-1)
+        parts = [mine if d is None else np.frombuffer(d, mine.dtype, mine.size) for d in data]
+        flat = out.reshape(-1)
+        if one_fold(resp, n):
+            ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=flat)
+        else:
+            np.copyto(flat, fold(parts, resp, n))
+        return out  # type: ignore[no-any-return]
+
+    def _express_plane(self, resp: Response, arr: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """An express allreduce's plane round, decided: run it on the data plane into
+        ``out`` as ``_run_plane_round`` would run the op's entry (the same response, buffers
+        and algorithm: the same bits), without one."""
+        stats = self.stats
+        stats["rounds_run"] += 1
+        stats["responses"] += 1
+        stats["responses_run_by_caller"] += 1
+        stats["express_plane"] += 1
+        ss = self.sets[0]
+        assert ss.view is not None
+        ops.execute(resp, [cast(Entry, BareEntry(arr, out))], ss.view, self.buffers)
+        return out
