@@ -24,7 +24,7 @@ from horovod.core.messages import (
     decode,
 )
 from horovod.core.peer_rounds import PeerRounds
-from horovod.transport.shm import _fence
+from horovod.transport.memory_order import fence
 
 MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
 
@@ -42,7 +42,7 @@ class Driving(PeerRounds):
         ends ops faster than the engine thread gets a core would otherwise send one per op)."""
         if not self._kicked:
             self._kicked = True
-            self.transport.kick()  # type: ignore[attr-defined]
+            self.polled.kick()
 
     def _post(self, ev: tuple) -> None:
         self.inbox.put(ev)
@@ -53,7 +53,7 @@ class Driving(PeerRounds):
         """Events for the thread running the engine: control messages from same-host ranks
         (read from shared memory), then everything posted to the inbox."""
         batch: list[tuple] = []
-        for peer, payload in self.transport.poll_fast():  # type: ignore[attr-defined]
+        for peer, payload in self.polled.poll_fast():
             try:
                 msg = decode(payload)
             except Exception as e:
@@ -76,7 +76,7 @@ class Driving(PeerRounds):
         return not self.inbox.empty() or self._stop_now
 
     def _run_fast(self) -> None:
-        t = self.transport
+        t = self.polled
         clock = time.perf_counter
         try:
             while not self._stop_now:
@@ -88,7 +88,7 @@ class Driving(PeerRounds):
                     self._sleeping = True
                     try:
                         if not self._busy():
-                            t.nap(lease)  # type: ignore[attr-defined]
+                            t.nap(lease)
                     finally:
                         self._sleeping = False
                         self._kicked = False
@@ -105,7 +105,7 @@ class Driving(PeerRounds):
                         continue  # a thread ran the engine meanwhile: its lease starts again
                     # No lease: peers must wake this thread from now on (set before the
                     # sleep's last look at the rings, so no message slips in between).
-                    t.set_driving(False)  # type: ignore[attr-defined]
+                    t.set_driving(False)
                     if self.coordinator is not None:
                         # Wake at least every second: a thread that runs the engine need not
                         # kick this one for far timers (stall checks), only for near ones.
@@ -113,7 +113,7 @@ class Driving(PeerRounds):
                     self._sleep_until = None if timeout is None else time.monotonic() + timeout
                     self._sleeping = True
                 try:
-                    t.sleep(timeout, self._busy)  # type: ignore[attr-defined]
+                    t.sleep(timeout, self._busy)
                 finally:
                     self._sleeping = False
                     self._kicked = False
@@ -136,7 +136,7 @@ class Driving(PeerRounds):
     def _drive(self, handle: Handle, quick: Entry | None = None) -> None:
         """``run_until`` with ``drive`` held; ``quick``: first run this entry's data round
         the quick way (``_quick``)."""
-        self.transport.set_driving(True)  # type: ignore[attr-defined]
+        self.polled.set_driving(True)
         clock = time.perf_counter
         try:
             deadline = clock() + self.spin_s
@@ -189,12 +189,12 @@ class Driving(PeerRounds):
         """(``drive`` held.) A waiting thread starts running the engine: peers need not wake
         the engine thread meanwhile. Did it come back within a lease of the last one leaving?"""
         self._back_soon = time.perf_counter() - self._left_at < self.lease_s
-        self.transport.set_driving(True)  # type: ignore[attr-defined]
+        self.polled.set_driving(True)
 
     def _leave(self, done: bool) -> None:
         """Release ``drive`` after running the engine on a waiting thread (``done``: its
         handle completed)."""
-        t = self.transport
+        t = self.polled
         self._left_at = now = time.perf_counter()
         if done and self._back_soon and not self._stop_now:  # (never with no lease time)
             # Done, and this thread came back quickly the last time: it is probably back
@@ -203,7 +203,7 @@ class Driving(PeerRounds):
             # until the lease ends. (A thread that comes back only after a training step's
             # compute gets none: the engine thread would be kicked and woken for nothing.)
             self._lease_until = now + self.lease_s
-            _fence()
+            fence()
             self.drive.release()
             if self._sleeping:
                 until = self._sleep_until
@@ -215,8 +215,8 @@ class Driving(PeerRounds):
         else:
             # Gave up waiting (or stopping): the engine thread takes over at once.
             self._lease_until = 0.0
-            t.set_driving(False)  # type: ignore[attr-defined]
-            _fence()
+            t.set_driving(False)
+            fence()
             self.drive.release()
             self._after_drive(force=not done)
 
@@ -225,9 +225,9 @@ class Driving(PeerRounds):
         engine: wake it if there is work now or a timer it does not know about."""
         if not self._sleeping:
             return
-        t = self.transport
+        t = self.polled
         due = self._timeout()
-        wake = force or self._stop_now or self._busy() or t.fast_pending()  # type: ignore[attr-defined]
+        wake = force or self._stop_now or self._busy() or t.fast_pending()
         if not wake and due is not None:
             until = self._sleep_until
             wake = until is None or time.monotonic() + due < until

@@ -111,7 +111,7 @@ class Engine(ExpressPaths):
         if payload is None:
             if self.closing or self.closed is not None:
                 return
-            if self.fast and self.transport.is_fast(peer):  # type: ignore[attr-defined]
+            if self.fast and self.polled.is_fast(peer):
                 # Its last messages (e.g. a shutdown) may still sit in shared memory: judge
                 # the loss after reading them, on the thread that runs the engine.
                 self._post(("lost", peer))

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from horovod.core import ops
 from horovod.core.autotune import Autotuner
@@ -24,8 +25,7 @@ from horovod.core.messages import (
 )
 from horovod.core.set_state import SetState
 from horovod.core.timeline import Timeline
-from horovod.transport.base import Transport
-from horovod.transport.shm import BOARD_DATA
+from horovod.transport.base import PolledTransport, Transport
 
 LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its wait
 # Longest that a rank with nothing in flight leaves a peer's round unanswered (waiting to post
@@ -119,10 +119,12 @@ class EngineState:
         # Shared-memory transports let the thread that waits for a result run the engine
         # itself (no hand-off to the engine thread and back); ``drive`` is held by whichever
         # thread runs it. See docs/architecture.md, "Who runs the engine".
-        self.fast = callable(getattr(transport, "poll_fast", None))
+        self.fast = isinstance(transport, PolledTransport)
+        # The same transport, typed for the layers that run only when ``fast``.
+        self.polled = cast(PolledTransport, transport)
         self.drive = threading.Lock()
-        self.spin_s = float(getattr(transport, "spin_s", 0.0))
-        self._yield = bool(getattr(transport, "oversubscribed", False))
+        self.spin_s = self.polled.spin_s if self.fast else 0.0
+        self._yield = self.fast and self.polled.oversubscribed
         self._sleeping = False  # the engine thread is blocked in transport.sleep()
         self._kicked = False  # ... and has been kicked since it last woke
         self._sleep_until: float | None = None
@@ -144,12 +146,14 @@ class EngineState:
         # by every rank itself once all of them posted the same.
         # Every rank with a board answers its peers' rounds, even one that posts none itself
         # (HOROVOD_PEER_ROUNDS and the eager budget need not agree between ranks).
-        self.board = getattr(transport, "board", None)
+        self.board = self.polled.board if self.fast else None
+        self.board_data = self.board.data_bytes if self.board is not None else 0
+        self.board_ids = self.board.max_ids if self.board is not None else 0
         self.peer_rounds = peer_rounds
         # Small allreduces, allgathers and broadcasts post their data and every rank computes
         # the results from the posts ("data" rounds); other cached ops post only their ids
         # and run on the data plane ("plane" rounds).
-        self.round_budget = min(eager_bytes, BOARD_DATA)
+        self.round_budget = min(eager_bytes, self.board_data)
         # A lone small cached op that its thread waits for at once runs its data round on
         # that thread without the engine's event handling (``_quick``).
         self.quick = True
@@ -186,7 +190,7 @@ class EngineState:
     def _send(self, peer: int, payload: bytes) -> None:
         """Engine-to-engine messages: through shared memory when the peer shares this host."""
         if self.fast:
-            self.transport.send_fast(peer, payload)  # type: ignore[attr-defined]
+            self.polled.send_fast(peer, payload)
         else:
             self.transport.send_ctrl(peer, payload)
 

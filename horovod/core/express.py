@@ -33,7 +33,6 @@ from horovod.core.messages import (
 )
 from horovod.core.numerics import fold, one_fold
 from horovod.core.peer_rounds import decide
-from horovod.transport.shm import BOARD_DATA
 
 # ``Engine.express``: the op did not take the express way (the caller submits it as usual).
 NOT_EXPRESS: Any = object()
@@ -74,7 +73,7 @@ class ExpressPaths(Driving):
                 cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
             if cid is not None:
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, ss.cache.live[cid])
-                if max(sizes) <= BOARD_DATA:
+                if max(sizes) <= self.board_data:
                     e.cid = cid
                     return True
         except BaseException:
@@ -96,7 +95,7 @@ class ExpressPaths(Driving):
             raw: Any = array.reshape(-1).view(np.uint8)
             parts = [memoryview(raw)]
         tag = self.lists_done << 1 | plane
-        self.transport.board_post((cid,), parts, tag, out)  # type: ignore[attr-defined]
+        self.polled.board_post((cid,), parts, tag, out)
         stats = self.stats
         stats["rounds_posted"] += 1
         stats["quick_rounds"] += 1
@@ -180,7 +179,7 @@ class ExpressPaths(Driving):
             if self._may_post(op, arr.nbytes, plane=op == ALLREDUCE):
                 live = cache.live[cid]
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
-                data = max(sizes) <= BOARD_DATA and (
+                data = max(sizes) <= self.board_data and (
                     op != ALLREDUCE or arr.nbytes <= self.round_budget
                 )
                 if data or op == ALLREDUCE:

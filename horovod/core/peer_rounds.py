@@ -41,7 +41,6 @@ from horovod.core.messages import (
 from horovod.core.numerics import fold, one_fold
 from horovod.core.stall import ranks_text
 from horovod.core.timeline import timeline_rows
-from horovod.transport.shm import BOARD_DATA, BOARD_IDS, OUT_MIN
 
 
 class PeerRounds(Executor):
@@ -60,7 +59,7 @@ class PeerRounds(Executor):
             and not board.open
             and not self.held
             and self.inbox.empty()
-            and self.transport.ctrl_idle()  # type: ignore[attr-defined]
+            and self.polled.ctrl_idle()
             and self.sets[0].cache.enabled
             and (plane or op != ALLREDUCE or nbytes <= self.round_budget)
             and (self.coordinator is None or not self.coordinator.paused)
@@ -84,7 +83,7 @@ class PeerRounds(Executor):
         """Poll the board until every peer has posted this rank's open round (True), or give
         up (False) past ``deadline``, when something else arrives (a control message, a
         submission) or the transport aborts."""
-        t = self.transport
+        t = self.polled
         board = self.board
         assert board is not None
         clock = time.perf_counter
@@ -96,8 +95,8 @@ class PeerRounds(Executor):
             if polls & 3 == 0 and (  # the board every time, the rest every 4th poll
                 clock() > deadline
                 or not inbox.empty()
-                or not t.ctrl_idle()  # type: ignore[attr-defined]
-                or t.aborted is not None  # type: ignore[attr-defined]
+                or not t.ctrl_idle()
+                or t.aborted is not None
             ):
                 return False
             if self._yield:
@@ -118,10 +117,10 @@ class PeerRounds(Executor):
         ops post their data ("data" round), anything else only the ids ("plane")."""
         ss = self.sets[0]
         cache = ss.cache
-        if not cache.enabled or self.closing or len(entries) > BOARD_IDS:
+        if not cache.enabled or self.closing or len(entries) > self.board_ids:
             return False
         budget = self.round_budget  # allreduces (folded by every rank: a bit of compute)
-        room = BOARD_DATA  # everything posted, by the rank that posts the most
+        room = self.board_data  # everything posted, by the rank that posts the most
         data = True
         cids: list[int] = []
         items: list[tuple[Entry, Response]] = []
@@ -164,7 +163,7 @@ class PeerRounds(Executor):
         else:
             parts = []
             tag = self.lists_done << 1 | 1
-        self.transport.board_post(cids, parts, tag, out)  # type: ignore[attr-defined]
+        self.polled.board_post(cids, parts, tag, out)
         self.round_items, self.round_cids, self.round_tag = items, cids, tag
         self.round_out = out
         self.round_totals = totals
@@ -177,18 +176,18 @@ class PeerRounds(Executor):
         whose result can live in an output slot of this rank (shared memory): copy this rank's
         block to its place there, where the peers read it from, and return the slot (else -1:
         the block goes into the post)."""
-        t = self.transport
-        if alloc is not np_alloc or not getattr(t, "outputs", False):
+        t = self.polled
+        if alloc is not np_alloc or not t.outputs:
             return -1
         sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
         me = self.rank
         nb = sizes[me]
-        if nb < OUT_MIN:
+        if nb < t.out_min:
             return -1
-        k: int = t.out_slot(sum(sizes))  # type: ignore[attr-defined]
+        k: int = t.out_slot(sum(sizes))
         if k >= 0:
             at = sum(sizes[:me])
-            owner = t.out_owners[k]  # type: ignore[attr-defined]
+            owner = t.out_owners[k]
             owner[at : at + nb] = array.reshape(-1).view(np.uint8)
         return k
 
@@ -220,7 +219,7 @@ class PeerRounds(Executor):
                         self.answer_by = now + self.answer_wait_s
                     if now < self.answer_by:
                         break
-                self.transport.board_post((), (), self.lists_done << 1)  # type: ignore[attr-defined]
+                self.polled.board_post((), (), self.lists_done << 1)
                 self.round_items, self.round_cids, self.round_tag = [], [], 0
                 continue
             if not board.due():
@@ -371,10 +370,10 @@ class PeerRounds(Executor):
         dtype = array.dtype
         assert resp.dim0s is not None
         shape = (sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:])
-        t = self.transport
+        t = self.polled
         if outs[me] >= 0:  # this rank's block is in place already
             self.stats["slot_outputs"] += 1
-            owner = t.out_owners[outs[me]]  # type: ignore[attr-defined]
+            owner = t.out_owners[outs[me]]
             res = owner[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
         else:
             res = alloc(shape, dtype)
@@ -384,7 +383,7 @@ class PeerRounds(Executor):
             nb = posted_bytes(resp, r)
             if outs[r] >= 0:
                 if r != me:  # the peer's block, at the same place of its result
-                    src = t.peer_out(r, outs[r])  # type: ignore[attr-defined]
+                    src = t.peer_out(r, outs[r])
                     flat[at : at + nb] = np.frombuffer(src, np.uint8, nb, at)
             else:
                 flat[at : at + nb] = (
@@ -424,9 +423,9 @@ class PeerRounds(Executor):
         me = self.rank
         readers_of = [r for r, o in enumerate(outs) if o >= 0 and r != me]
         if readers_of:
-            self.transport.board_ack(readers_of)  # type: ignore[attr-defined]
+            self.polled.board_ack(readers_of)
         if outs[me] >= 0:
-            self.transport.board_wait_acked()  # type: ignore[attr-defined]
+            self.polled.board_wait_acked()
 
 
 def decide(

@@ -20,12 +20,25 @@ connection to ``peer`` is lost. The handler runs on a transport thread and must 
 ``abort(reason)`` may be called from any thread: every ``exchange`` in progress or started later
 raises ``TransportError(reason)`` promptly, and peers blocked on this rank see the connection
 drop. ``close()`` ends a transport after a clean shutdown.
+
+Capabilities beyond that contract, which decide the engine's fast paths (docs/architecture.md):
+
+- ``PolledTransport``: control messages from same-host ranks arrive in memory that a thread
+  polls (``poll_fast``), so the thread that waits for a result can run the engine itself, and
+  the engine thread sleeps in the transport until a peer or ``kick`` wakes it.
+- ``PeerBoard`` (``PolledTransport.board``, when every rank of the job shares the host): the
+  board where ranks post peer rounds and read each other's posts, and output slots where an
+  allgather's result may live while the peers read this rank's block from it.
+
+The engine uses a transport only through these classes; a new data plane (MPI, NCCL) is one
+new module implementing them, and passes ``tests/test_transport_conformance.py``.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import numpy as np
 
@@ -131,6 +144,120 @@ class Transport(ABC):
 
     def global_rank(self, rank: int) -> int:
         return rank
+
+
+class PeerBoard(ABC):
+    """Peer rounds' board: each rank posts what it is about to run for round ``n`` (cache ids,
+    a tag, and data) into memory every rank of the host reads; once all have posted, every
+    rank reads every post, so all decide the same. A rank posts round n+1 only after reading
+    every post of round n. Posting goes through ``PolledTransport.board_post`` (which wakes
+    sleeping peers); this is the reading side and the round's state."""
+
+    data_bytes: ClassVar[int]  # the most data one post carries
+    max_ids: ClassVar[int]  # the most cache ids one post carries
+    open: bool  # this rank posted its round and not every peer has yet
+    deferred: bool  # a peer's round is seen and this rank leaves its answer for later
+
+    @abstractmethod
+    def due(self) -> bool:
+        """Can this rank's open round be decided, or does a peer wait for this rank's post?"""
+
+    @abstractmethod
+    def opened(self) -> bool:
+        """Has a peer posted a round this rank has not?"""
+
+    @abstractmethod
+    def tags(self) -> list[int]:
+        """The tags of the peers' posts of this rank's next round that are there already."""
+
+    @abstractmethod
+    def waiting(self) -> list[int]:
+        """Peers that have not posted this rank's open round yet."""
+
+    @abstractmethod
+    def read(self) -> list[tuple[int, int, list[int], memoryview, int]]:
+        """Every peer's post of the open round: (rank, tag, cache ids, data, output slot or
+        -1); call once ``due()``."""
+
+
+class PolledTransport(Transport):
+    """A transport whose same-host control messages a thread polls, so the thread waiting
+    for a result can run the engine (see "Who runs the engine" in docs/architecture.md). Only
+    the thread holding the engine's ``drive`` lock calls ``poll_fast``, ``send_fast`` and the
+    board's methods; ``kick`` may be called from any thread."""
+
+    spin_s: float = 0.0  # how long a waiting thread polls before it hands over and sleeps
+    oversubscribed: bool = False  # more ranks than cores: waiting loops yield the CPU
+    board: PeerBoard | None = None  # when every rank of the job shares this host
+    outputs: bool = False  # allgather results may live in this rank's output slots
+    out_min: int = 0  # ... for a block of at least this many bytes
+    out_owners: list[np.ndarray] = []  # (read-only) this rank's output slots, as bytes
+
+    @property
+    def aborted(self) -> str | None:
+        """Why this transport was aborted, or None."""
+        return None
+
+    @abstractmethod
+    def poll_fast(self) -> list[tuple[int, bytes]]:
+        """Control messages that same-host ranks sent (complete ones, in order per peer)."""
+
+    @abstractmethod
+    def fast_pending(self) -> bool:
+        """Is there anything for ``poll_fast`` to read or send, or a round to decide?"""
+
+    @abstractmethod
+    def is_fast(self, peer: int) -> bool:
+        """Do the engine's messages to and from ``peer`` go through polled memory?"""
+
+    @abstractmethod
+    def send_fast(self, peer: int, payload: bytes) -> None:
+        """An engine-to-engine message (through polled memory where ``is_fast(peer)``)."""
+
+    @abstractmethod
+    def set_driving(self, on: bool) -> None:
+        """Publish whether a thread of this rank polls (peers then need not wake it)."""
+
+    @abstractmethod
+    def kick(self) -> None:
+        """Wake this rank's engine thread if it is blocked in ``sleep`` or ``nap``."""
+
+    @abstractmethod
+    def sleep(self, timeout: float | None, busy: Callable[[], bool]) -> None:
+        """Block until a same-host rank sends a message, ``kick`` is called or ``timeout``
+        passes; return at once if ``busy()`` or messages are there."""
+
+    @abstractmethod
+    def nap(self, seconds: float) -> None:
+        """Sleep ``seconds`` unless ``kick`` is called (peers are not asked to wake us)."""
+
+    def ctrl_idle(self) -> bool:
+        """No control message from a same-host rank to read, none waiting to be sent."""
+        return True
+
+    # The board's writing side (only where ``board`` is set).
+    def board_post(
+        self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0, out: int = -1
+    ) -> None:
+        """Post this rank's next round: ``cids``, their data ``parts`` in order (or, with
+        ``out`` >= 0, none: the data is in output slot ``out``), and ``tag``; wake peers."""
+        raise NotImplementedError("this transport has no peer-round board")
+
+    def out_slot(self, nbytes: int) -> int:
+        """A free output slot for a result of ``nbytes``, or -1."""
+        return -1
+
+    def peer_out(self, peer: int, k: int) -> memoryview:
+        """Output slot ``k`` of same-host rank ``peer`` (read-only use)."""
+        raise NotImplementedError("this transport has no output slots")
+
+    def board_ack(self, readers_of: Sequence[int]) -> None:
+        """This rank has read the output slots of ``readers_of`` for its round."""
+        raise NotImplementedError("this transport has no output slots")
+
+    def board_wait_acked(self) -> None:
+        """Wait until every peer has read this rank's output slot for its round."""
+        raise NotImplementedError("this transport has no output slots")
 
 
 class SubTransport:

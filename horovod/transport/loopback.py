@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from horovod.common.exceptions import TransportError
 from horovod.rendezvous.store import MemoryStore
-from horovod.transport.base import CtrlHandler, Message, Transport
+from horovod.transport.base import CtrlHandler, Message, PolledTransport, Transport
 
 
 class _Round:
@@ -128,7 +128,7 @@ class LoopbackTransport(Transport):
                     h(self.rank, None)
 
 
-class SoloTransport(LoopbackTransport):
+class SoloTransport(LoopbackTransport, PolledTransport):
     """A job of one process. Nothing can arrive from a peer, so the thread that waits for a
     result runs the engine itself, as on shared memory (``poll_fast`` and the rest of that
     interface, see docs/architecture.md "Who runs the engine"): a synchronous op is negotiated

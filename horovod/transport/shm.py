@@ -31,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import platform
 import select
 import socket
 import struct
@@ -53,12 +52,15 @@ from horovod.transport import cma
 from horovod.transport.base import (
     CtrlHandler,
     Message,
+    PeerBoard,
+    PolledTransport,
     Reduce,
     Reducer,
     Scratch,
     Transport,
     as_bytes,
 )
+from horovod.transport.memory_order import fence, order
 
 PAGE = 4096
 RING = 256 * 1024  # control-message ring per pair and direction
@@ -77,21 +79,6 @@ OUT_MIN = 128 * 1024  # a rank's own block from this size on (below, the copy co
 # peer's message is read, then as large a share of the copies, so both ranks' blocks pass
 # through the shared cache once for the two readers (the owner's copy, the peer's read).
 COPY_PIECE = 1 << 20
-_STRONG_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-_fence_lock = threading.Lock()
-
-
-def _fence() -> None:
-    """A full memory barrier: a lock round trip is an atomic read-modify-write."""
-    _fence_lock.acquire()
-    _fence_lock.release()
-
-
-def _order() -> None:
-    """Order plain loads/stores on CPUs that reorder them (x86 keeps them in order)."""
-    if not _STRONG_ORDER:
-        _fence()
-        _fence()
 
 
 class _Chan:
@@ -114,7 +101,7 @@ class _Chan:
             return False
         self.slots[self.count % n][: mv.nbytes] = mv.cast("B")
         self.count += 1
-        _order()
+        order()
         self.wr[0] = self.count
         return True
 
@@ -122,10 +109,10 @@ class _Chan:
         """Receiver: copy the next slot into ``mv`` if the sender has filled it."""
         if self.count >= self.wr[0]:
             return False
-        _order()
+        order()
         mv.cast("B")[:] = self.slots[self.count % len(self.slots)][: mv.nbytes]
         self.count += 1
-        _order()
+        order()
         self.rd[0] = self.count
         return True
 
@@ -176,7 +163,7 @@ class _Ring:
             return False
         self.data[pos : pos + n] = frame
         self.count += n
-        _order()
+        order()
         self.wr[0] = self.count
         return True
 
@@ -201,7 +188,7 @@ class _Ring:
             else:
                 self.pending[0] = mv[n:]
         if wrote:
-            _order()
+            order()
             self.wr[0] = self.count
         return wrote
 
@@ -211,14 +198,14 @@ class _Ring:
         n = end - self.count
         if n <= 0:
             return 0
-        _order()
+        order()
         pos = self.count % RING
         first = min(n, RING - pos)
         self.acc += self.data[pos : pos + first]
         if first < n:
             self.acc += self.data[: n - first]
         self.count = end
-        _order()
+        order()
         self.rd[0] = end
         return n
 
@@ -241,7 +228,7 @@ class _Ring:
             v.release()
 
 
-class _Board:
+class _Board(PeerBoard):
     """Peer rounds of the engine (see "Peer rounds" in docs/architecture.md): each rank posts
     what it is about to run (cache ids and their data) for round ``n`` into its own segment;
     every rank reads every peer's post once all have posted, so all of them decide the same.
@@ -262,6 +249,8 @@ class _Board:
         "_mine",
         "_peer_slots",
     )
+    data_bytes = BOARD_DATA
+    max_ids = BOARD_IDS
 
     def __init__(self, mine: mmap.mmap, peers: dict[int, mmap.mmap], base: int) -> None:
         def views(mem: mmap.mmap) -> tuple[memoryview, list[tuple[memoryview, memoryview]]]:
@@ -312,7 +301,7 @@ class _Board:
         out = []
         for _, latest, slots in self.peers:
             if latest[0] >= n:
-                _order()
+                order()
                 out.append(slots[n % 2][0][3])
         return out
 
@@ -340,7 +329,7 @@ class _Board:
         head[4] = out + 1
         head[8 : 8 + k] = memoryview(array("q", cids))
         head[0] = n
-        _order()
+        order()
         self.latest[0] = n
         self.n = n
         self.open = True
@@ -350,7 +339,7 @@ class _Board:
         """Every peer's post of round ``n`` (rank, tag, cache ids, data, output slot or -1);
         call once ``due()``."""
         n = self.n
-        _order()
+        order()
         out = []
         for r, _, slots in self.peers:
             head, data = slots[n % 2]
@@ -362,7 +351,7 @@ class _Board:
 
     def ack(self) -> None:
         """This rank has read its peers' output slots for round ``n``."""
-        _order()
+        order()
         self.acked[0] = self.n
 
     def all_acked(self) -> bool:
@@ -422,7 +411,7 @@ class _Pending:
         self.direct, self.ack = direct, 0
 
 
-class ShmTransport(Transport):
+class ShmTransport(PolledTransport):
     kind = "SHM"
 
     def __init__(
@@ -481,6 +470,7 @@ class ShmTransport(Transport):
         # Output slots (``out_slot``): every local rank's, and the arrays that hand out this
         # rank's (when ``outputs``: a result may then live in shared memory).
         self.outputs = outputs
+        self.out_min = OUT_MIN
         self._out_views: dict[int, list[memoryview]] = {}
         self.out_owners: list[np.ndarray] = []
         # Single copy (cross-memory attach): messages of at least this many bytes (0: off).
@@ -842,13 +832,13 @@ class ShmTransport(Transport):
         _DESC.pack_into(ch_out.slots[ch_out.count % n], 0, mine, nbytes)
         ch_out.count += 1
         posted = ch_out.count
-        _order()
+        order()
         ch_out.wr[0] = posted
         self._wake(peer)
         try:
             while ch_in.count >= ch_in.wr[0]:
                 self._wait({}, {peer: None}, {}, {})
-            _order()
+            order()
             slot = ch_in.slots[ch_in.count % n]
             addr, theirs = _DESC.unpack_from(slot, 0)
             ok = False
@@ -859,14 +849,14 @@ class ShmTransport(Transport):
                 if not ok:
                     _DESC.pack_into(slot, 0, 0, _FAILED)
                 ch_in.count += 1
-                _order()
+                order()
                 ch_in.rd[0] = ch_in.count
                 self._wake(peer)
             if ch_out.rd[0] < posted:
                 done = partial(_reached, ch_out.rd, posted)
                 while not done():
                     self._wait({}, {peer: None}, {}, {}, self.chunk, done)
-            _order()
+            order()
             if _DESC.unpack_from(ch_out.slots[(posted - 1) % n], 0)[1] == _FAILED:
                 raise TransportError(
                     f"rank {peer} failed its part of a broadcast with rank {self.rank} (its "
@@ -1046,7 +1036,7 @@ class ShmTransport(Transport):
                     ch.count += 1
                     if p.off == p.mv.nbytes:
                         q.pop(i)
-                _order()
+                order()
                 ch.wr[0] = ch.count
                 wrote = True
             if wrote:
@@ -1059,7 +1049,7 @@ class ShmTransport(Transport):
             q = inc[peer]
             read = False
             while q and ch.count < ch.wr[0]:
-                _order()
+                order()
                 p = q[0]
                 slot = ch.slots[ch.count % nslots]
                 if p.direct:
@@ -1076,7 +1066,7 @@ class ShmTransport(Transport):
                     p.op(seg, np.frombuffer(slot, p.dst.dtype, k), out=seg)
                 p.off += n
                 ch.count += 1
-                _order()
+                order()
                 ch.rd[0] = ch.count
                 read = True
                 if p.off == p.mv.nbytes:
@@ -1139,7 +1129,7 @@ class ShmTransport(Transport):
     def _wake(self, peer: int, ctrl: bool = False) -> None:
         """After publishing a counter: wake ``peer`` if it sleeps waiting for one (its data-
         plane wait, or with ``ctrl`` its engine thread)."""
-        _fence()
+        fence()
         if self._asleep[peer][8 if ctrl else 0]:
             try:
                 self._sock.sendto(  # type: ignore[union-attr]
@@ -1181,7 +1171,7 @@ class ShmTransport(Transport):
         # Sleep until a peer wakes us: announce it, then look once more.
         self._enter_sleep()
         try:
-            _fence()
+            fence()
             if ready():
                 return
             poller = select.poll()
@@ -1420,7 +1410,7 @@ class ShmTransport(Transport):
         assert sock is not None
         self._enter_sleep(engine=True)
         try:
-            _fence()
+            fence()
             if busy() or self.fast_pending() or self._aborted is not None:
                 return
             poller = select.poll()
