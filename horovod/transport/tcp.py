@@ -413,9 +413,17 @@ class TcpTransport(Transport):
         with self._cond:
             self._closing = True
         try:
+            # Closing a listening socket does not wake a thread blocked in accept() on Linux;
+            # shutting it down does (accept fails), so the acceptor ends with the transport.
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self._listener.close()
         except OSError:
             pass
+        if self._acceptor is not threading.current_thread():
+            self._acceptor.join(timeout=2)
         for s in list(self._ctrl.values()):
             try:
                 s.shutdown(socket.SHUT_RDWR)
