@@ -2,6 +2,8 @@
 
 A ``LoopbackWorld`` is shared by the rank threads; every ``hvd.init()`` round gets a fresh
 set of channels, so init/shutdown/init works as it does across processes.
+
+Must not touch: the engine; other processes.
 """
 
 from __future__ import annotations
@@ -142,6 +144,10 @@ class SoloTransport(LoopbackTransport, PolledTransport):
         super().__init__(0, _Round(1))
         self.spin_s = spin_s
         self._wakeup = threading.Event()
+
+    @property
+    def aborted(self) -> str | None:
+        return self._r.aborted.get(self.rank)
 
     def poll_fast(self) -> list[tuple[int, bytes]]:
         return []
