@@ -197,9 +197,9 @@ def test_exchange_copy_does_the_local_copies_and_the_transfers(kind, n, monkeypa
     and every message arrives, whether the transport copies first or (shared memory, single
     copy) in pieces between reads of the peers' messages (pieces made tiny here: many of them,
     and not a divisor of any length)."""
-    from horovod.transport import shm
+    from horovod.transport.shm import exchange
 
-    monkeypatch.setattr(shm, "COPY_PIECE", 1000)
+    monkeypatch.setattr(exchange, "COPY_PIECE", 1000)
     ts = _make(kind, n)
     try:
 
@@ -947,7 +947,7 @@ def test_output_slots_are_free_while_no_result_views_them_and_read_once_acked():
     """Allgather results may live in a rank's output slots, where its peers read its block:
     a slot is handed out again only once no view of it is alive, a post names its slot, and
     the owner waits (asleep, woken by the ack) until every peer has read it."""
-    from horovod.transport.shm import OUT_BYTES, OUT_SLOTS
+    from horovod.transport.shm.layout import OUT_BYTES, OUT_SLOTS
 
     ts = _make("shm", 3, spin_us=0.0)
     try:

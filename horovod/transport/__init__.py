@@ -1,5 +1,8 @@
 """Transports move bytes between ranks: ``loopback`` (ranks as threads of one process) and
-``tcp`` (full mesh between processes). See ``base.Transport`` for the contract."""
+``tcp`` (full mesh between processes). See ``base.Transport`` for the contract.
+
+Must not touch: the engine, negotiation, framework tensors: transports move bytes.
+"""
 
 from horovod.transport.base import SubTransport, Transport, as_bytes
 

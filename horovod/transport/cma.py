@@ -13,6 +13,9 @@ ranks in different PID namespaces forbid it: the transport probes every pair at 
 keeps the two-copy path unless every rank of the host can read every other one.
 ``process_vm_writev(2)`` is allowed on the same terms; a large broadcast between two ranks uses
 both at once (the root writes one half into the receiver while the receiver reads the other).
+
+Must not touch: memory other than the buffers named in a call; ptrace settings beyond the
+readers it is told.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ flags, and the engine's "somebody drives" word).
 CPython has no atomics; a lock round trip is an atomic read-modify-write and so a full barrier.
 ``fence()`` orders every earlier load and store before every later one; ``order()`` is the cheap
 form for plain loads/stores, free on CPUs that keep them in order (x86). Owns nothing else.
+
+Must not touch: anything: it only orders memory accesses.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ the transport, rejecting every further connection.
 Data: non-blocking sockets, ``send``/``recv_into`` straight from and into array buffers
 (memoryviews, no copies), all messages of one step progressed together under ``poll`` so that
 simultaneous sends in both directions never deadlock. The GIL is released inside every syscall.
+
+Must not touch: the engine, negotiation, the shared-memory plane.
 """
 
 from __future__ import annotations
