@@ -7,6 +7,8 @@ otherwise run independent ops in any order, and a blocking collective run out of
 rank would wait for ever). Gradients are registered with ``tf.custom_gradient``: the gradient of
 an allreduce is the allreduce of the gradient, of an allgather the slice of this rank's rows
 of the summed gradient, of a broadcast the sum of gradients on the root.
+
+Must not touch: the engine's internals (it submits through ``horovod.frontend``).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def allreduce(
     from horovod.tensorflow.compression import Compression
 
     compression = compression or Compression.none
-    op = F._reduce_op(op, average, "allreduce")
+    op = F.resolve_op(op, average, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         if op not in (AVERAGE, SUM):
             raise NotImplementedError(
@@ -198,7 +200,7 @@ def grouped_allreduce(
     from horovod.tensorflow.compression import Compression
 
     compression = compression or Compression.none
-    op = F._reduce_op(op, average, "grouped_allreduce")
+    op = F.resolve_op(op, average, "grouped_allreduce")
     if not tensors:
         return []
     packed = [compression.compress(_dense(t)) for t in tensors]

@@ -1,0 +1,118 @@
+"""The job's life and what a rank knows about it: ``init``/``shutdown``, rank and size queries,
+what this build supports (``mpi_built()``, ...), and starting and stopping the timeline.
+
+Must not touch: the engine (it goes through ``horovod.core.context``), tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from horovod.core import context as _context
+from horovod.frontend.arguments import require_context
+
+
+def init(process_sets: Any = None, comm: Any = None) -> None:
+    """Start Horovod. ``process_sets``: a list of ``ProcessSet`` to register on every rank, or
+    ``"dynamic"`` to allow ``add_process_set``/``remove_process_set`` later."""
+    _context.init(process_sets=process_sets, comm=comm)
+
+
+def shutdown() -> None:
+    """Stop Horovod on this rank (every rank stops after the collectives already decided);
+    ``init()`` may be called again afterwards."""
+    _context.shutdown()
+
+
+def is_initialized() -> bool:
+    return _context.current() is not None
+
+
+def size() -> int:
+    return require_context().size
+
+
+def rank() -> int:
+    return require_context().rank
+
+
+def local_size() -> int:
+    return require_context().local_size
+
+
+def local_rank() -> int:
+    return require_context().local_rank
+
+
+def cross_size() -> int:
+    return require_context().cross_size
+
+
+def cross_rank() -> int:
+    return require_context().cross_rank
+
+
+def is_homogeneous() -> bool:
+    return require_context().is_homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    raise ValueError(
+        "Horovod MPI is not enabled; this build runs on pyhorovod's own TCP "
+        "transport (the Gloo controller)."
+    )
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    return False
+
+
+def gloo_enabled() -> bool:
+    return is_initialized()
+
+
+def gloo_built() -> bool:
+    return True
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a timeline to ``file_path`` (rank 0 writes; other ranks return at once).
+    A timeline already being written is closed first. Works whether or not HOROVOD_TIMELINE
+    was set (upstream required HOROVOD_TIMELINE=DYNAMIC)."""
+    ctx = require_context()
+    if not isinstance(file_path, (str, os.PathLike)) or not str(file_path):
+        raise ValueError(f"start_timeline: file_path must be a non-empty path, got {file_path!r}")
+    try:
+        ctx.start_timeline(os.fspath(file_path), bool(mark_cycles))
+    except OSError as e:
+        raise ValueError(f"start_timeline: cannot write {file_path!r}: {e.strerror or e}") from None
+
+
+def stop_timeline() -> None:
+    """Stop writing the timeline and close its file (a no-op when none is being written)."""
+    require_context().stop_timeline()
