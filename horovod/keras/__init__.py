@@ -5,6 +5,9 @@ With the TensorFlow backend everything is ``horovod.tensorflow.keras`` (graph-ca
 other backends gradients are reduced through NumPy in the optimizer's ``apply``, which Keras's
 torch trainer runs eagerly (a jit-compiled JAX train step cannot call out to Python: use
 ``model.compile(jit_compile=False)`` with JAX).
+
+Must not touch: TensorFlow unless Keras runs on it; the engine (everything goes through
+``horovod.frontend``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
-"""Upstream's Keras callbacks for standalone Keras 3: see ``horovod/_keras_callbacks.py``."""
+"""Upstream's Keras callbacks for standalone Keras 3: see ``horovod/keras_common/callbacks.py``.
+
+Must not touch: tf.keras (standalone Keras only).
+"""
 
 import keras
 
-from horovod import _keras_callbacks
+from horovod.keras_common import callbacks as shared
 
 
 def _broadcast(variables, root_rank, name=None):  # type: ignore[no-untyped-def]
@@ -11,9 +14,7 @@ def _broadcast(variables, root_rank, name=None):  # type: ignore[no-untyped-def]
     broadcast_variables(variables, root_rank, name=name)
 
 
-_built = _keras_callbacks.build(
-    keras.callbacks.Callback, _broadcast, keras.callbacks.ModelCheckpoint
-)
+_built = shared.build(keras.callbacks.Callback, _broadcast, keras.callbacks.ModelCheckpoint)
 BestModelCheckpoint = _built.BestModelCheckpoint
 BroadcastGlobalVariablesCallback = _built.BroadcastGlobalVariablesCallback
 MetricAverageCallback = _built.MetricAverageCallback

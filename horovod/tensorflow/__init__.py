@@ -1,5 +1,8 @@
 """``import horovod.tensorflow as hvd``: upstream Horovod's TensorFlow 2 API on pyhorovod's
-engine. Every collective works eagerly and inside ``tf.function``, with gradients."""
+engine. Every collective works eagerly and inside ``tf.function``, with gradients.
+
+Must not touch: the engine (everything goes through ``horovod.frontend``), standalone Keras.
+"""
 
 from __future__ import annotations
 

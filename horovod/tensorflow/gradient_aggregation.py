@@ -2,6 +2,8 @@
 gradients of ``backward_passes_per_step`` passes locally and reduce them over the ranks once,
 on the last pass; the optimizer applies them on that pass only. Works eagerly and in graphs
 (the reduction sits in a ``tf.cond`` branch, so no communication happens on the other passes).
+
+Must not touch: the engine; variables other than its own accumulators.
 """
 
 from __future__ import annotations

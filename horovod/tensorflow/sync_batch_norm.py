@@ -1,4 +1,7 @@
-"""Batch normalization with statistics over the whole global batch (every rank's samples)."""
+"""Batch normalization with statistics over the whole global batch (every rank's samples).
+
+Must not touch: the engine (it uses the collectives of ``mpi_ops``).
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 CPU tensors are handed to the engine as views of their own memory (no copies); CUDA tensors go
 through host memory until a GPU data plane exists.
+
+Must not touch: the engine (everything goes through ``horovod.frontend``).
 """
 
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt

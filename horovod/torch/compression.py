@@ -1,4 +1,7 @@
-"""Gradient compression for transport (upstream's ``horovod.torch.compression``)."""
+"""Gradient compression for transport (upstream's ``horovod.torch.compression``).
+
+Must not touch: anything but the tensors it is given.
+"""
 
 from __future__ import annotations
 

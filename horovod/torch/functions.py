@@ -1,4 +1,7 @@
-"""Broadcasting model and optimizer state (upstream's ``horovod.torch.functions``)."""
+"""Broadcasting model and optimizer state (upstream's ``horovod.torch.functions``).
+
+Must not touch: the engine (it uses the collectives of ``mpi_ops``).
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ while the rest of backward is still computing. The tail bucket, which backward c
 is reduced by ``step()`` itself (see ``_register_hooks``). ``step()`` waits only for what is
 still in flight. Parameters whose gradient never appeared in a step (unused branches) are
 reduced as zeros, so no rank waits for them.
+
+Must not touch: the engine (it submits through ``mpi_ops`` and ``horovod.frontend``);
+parameters' values (only their gradients).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ and CUDA tensors (upstream's works on GPUs only).
 The per-rank sums, sums of squares and counts are combined with one differentiable allreduce.
 Because the allreduce's backward pass is itself an allreduce, autograd produces exactly the
 gradient of normalising the concatenated batch; no hand-written backward is needed.
+
+Must not touch: the engine (it uses the collectives of ``mpi_ops``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """``import horovod.tensorflow.keras as hvd``: Horovod for ``tf.keras`` (Keras 3 with the
-TensorFlow backend, or Keras 2 through tf-keras when ``TF_USE_LEGACY_KERAS=1``)."""
+TensorFlow backend, or Keras 2 through tf-keras when ``TF_USE_LEGACY_KERAS=1``).
+
+Must not touch: standalone Keras when tf.keras is Keras 2; the engine (it uses
+``horovod.frontend``).
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,14 @@
-"""Upstream's Keras callbacks for tf.keras: see ``horovod/_keras_callbacks.py``."""
+"""Upstream's Keras callbacks for tf.keras: see ``horovod/keras_common/callbacks.py``.
+
+Must not touch: standalone Keras (tf.keras only).
+"""
 
 import tensorflow as tf
 
-from horovod import _keras_callbacks
+from horovod.keras_common import callbacks as shared
 from horovod.tensorflow import mpi_ops
 
-_built = _keras_callbacks.build(
+_built = shared.build(
     tf.keras.callbacks.Callback, mpi_ops.broadcast_variables, tf.keras.callbacks.ModelCheckpoint
 )
 BestModelCheckpoint = _built.BestModelCheckpoint

@@ -3,6 +3,8 @@
 Call ``record_batch(batch_idx, batch_size)`` after each batch and ``set_epoch(epoch)`` at the
 end of each epoch; ``state_dict()``/``load_state_dict()`` save and restore the position, after
 which the remaining samples of the epoch are re-sharded over the current ranks.
+
+Must not touch: the dataset (it only chooses indices).
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""The torch tensor adapter: tensors to NumPy views of the same memory and back, the checks
+on what a collective accepts, and handles (``poll``, ``synchronize``).
+
+CPU tensors are viewed without a copy (bfloat16 and bool through a same-size integer view);
+CUDA tensors go through host memory until a device data plane exists.
+
+Must not touch: the engine (everything goes through ``horovod.frontend``), autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from horovod import frontend as F
+from horovod.common.dtypes import BFLOAT16
+from horovod.common.exceptions import HorovodInternalError
+
+Average, Sum, Adasum, Min, Max, Product = F.Average, F.Sum, F.Adasum, F.Min, F.Max, F.Product
+
+
+SUPPORTED = {
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+}
+
+
+def device_of(t: torch.Tensor) -> int:
+    return t.device.index or 0 if t.device.type == "cuda" else -1
+
+
+def check_tensor(t: Any, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED:
+        raise ValueError(
+            f"Tensor type {t.type()} is not supported ({what}); use one of "
+            "uint8, int8, int16, int32, int64, float16, bfloat16, float32, "
+            "float64, bool"
+        )
+    if t.is_sparse or not t.is_contiguous():
+        raise ValueError(f"Tensor is required to be contiguous ({what}); call .contiguous()")
+    return t
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory (a host copy for CUDA tensors)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BFLOAT16)  # type: ignore[arg-type]
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+    if BFLOAT16 is not None and a.dtype == BFLOAT16:
+        out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        out = torch.from_numpy(a)
+    if like is not None and like.device.type != "cpu":
+        out = out.to(like.device)
+    return out
+
+
+def write_back(dst: torch.Tensor, src_view: np.ndarray) -> None:
+    """After an in-place op on a CUDA tensor's host copy, copy the result to the device."""
+    if dst.device.type != "cpu":
+        dst.copy_(from_numpy(src_view))
+
+
+def inplace_view(t: torch.Tensor) -> np.ndarray:
+    return to_numpy(t)
+
+
+def is_plain(t: Any, grad_ok: bool = False) -> bool:
+    """May a synchronous call on ``t`` try the express way (``Engine.express``): a contiguous
+    dense CPU tensor of a supported dtype, and (unless ``grad_ok``, for the in-place calls)
+    no autograd graph to record? Anything else goes the usual way, with its checks."""
+    return (
+        type(t) is torch.Tensor
+        and (grad_ok or not t.requires_grad)
+        and t.device.type == "cpu"
+        and t.dtype in SUPPORTED
+        and t.layout is torch.strided
+        and t.is_contiguous()
+    )
+
+
+def poll(handle: int) -> bool:
+    return F.poll(handle)
+
+
+def sync_call(submit: Any, *args: Any, **kwargs: Any) -> Any:
+    """``synchronize(submit(*args, **kwargs))``, telling the engine that this thread waits
+    at once (it runs the engine itself instead of waking the engine thread)."""
+    with F.waited():
+        handle = submit(*args, **kwargs)
+    return synchronize(handle)
+
+
+def synchronize(handle: int) -> Any:
+    try:
+        return F.synchronize(handle)
+    except HorovodInternalError:
+        raise
+    except RuntimeError as e:  # pragma: no cover - defensive
+        raise HorovodInternalError(e) from None
