@@ -2,6 +2,8 @@
 
 Framework packages: ``horovod.numpy`` (framework-free reference API) and, as they land,
 ``horovod.torch``, ``horovod.tensorflow``, ``horovod.keras``. The launcher is ``horovodrun``.
+
+Must not touch: the runtime (nothing starts until a framework package's ``init()``).
 """
 
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 """horovodrun across hosts, for real: test hosts are network namespaces joined by a bridge, each
-running its own sshd (tests/netns_hosts.py); the launcher runs on hostA and starts hostB's
+running its own sshd (`horovod/testing/netns.py`); the launcher runs on hostA and starts hostB's
 workers over ssh. Collectives and placement, hierarchical vs flat, a training example, a
 worker killed on the remote host, a host dropping off the network, Ctrl-C, and an unreachable
 host. Every test checks that nothing of the job is left running on any host.
@@ -21,8 +21,8 @@ import uuid
 
 import pytest
 
+from horovod.testing.netns import TestNetwork, processes_with, unavailable
 from tests.conftest import REPO
-from tests.netns_hosts import TestNetwork, processes_with, unavailable
 
 _WHY_NOT = unavailable() if sys.platform == "linux" else "Linux only"
 pytestmark = pytest.mark.skipif(

@@ -15,6 +15,9 @@ skipped with a note. ``--repeats R`` (default 2) measures all peers R times, one
 every peer after the other, and keeps each figure's fastest pass: on a shared machine a slow
 phase then hits every peer alike. Bus bandwidth follows nccl-tests: allreduce 2(n-1)/n * bytes / t,
 allgather (n-1)/n * bytes / t (bytes = the gathered total), broadcast bytes / t.
+
+Must not touch: the runtime's internals (it uses ``horovod.numpy`` like a user, and the peers'
+own APIs).
 """
 
 from __future__ import annotations

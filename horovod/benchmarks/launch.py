@@ -1,4 +1,7 @@
-"""Starting a benchmark's worker processes under each framework's own launcher."""
+"""Starting a benchmark's worker processes under each framework's own launcher.
+
+Must not touch: the runtime (it only starts processes under each framework's launcher).
+"""
 
 from __future__ import annotations
 

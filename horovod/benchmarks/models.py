@@ -2,6 +2,8 @@
 
 ``resnet_small``: a small ResNet on 32x32 images; ``convnet``: a plain conv net;
 ``mlp200``: an MLP with 200 parameter tensors, the worst case for per-tensor overhead.
+
+Must not touch: Horovod itself (plain PyTorch models, shared by benchmarks and examples).
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 """Flat vs hierarchical allreduce/allgather across two hosts joined by a shaped link.
 
-Builds two test hosts from network namespaces with their own sshd (tests/netns_hosts.py),
+Builds two test hosts from network namespaces with their own sshd (``horovod.testing.netns``),
 shapes each host's link with ``tc netem`` (default: 1 Gbit/s and 0.2 ms each way), runs
 ``horovodrun -np 4 -H hostA:2,hostB:2`` over ssh with and without
 ``--hierarchical-allreduce --hierarchical-allgather``, and prints median times and the ratio.
 Ranks on one host talk through shared memory, the two hosts through TCP over the shaped link.
 
-    sudo python benchmarks/multihost_netem.py [--rate 1gbit] [--delay 0.2ms] [--iters 20]
+    sudo python -m horovod.benchmarks.multihost [--rate 1gbit] [--delay 0.2ms] [--iters 20]
 
 Needs root, iproute2 (ip, tc) and openssh-server; results in docs/benchmarks.md.
+
+Must not touch: the runtime's internals (it runs ``horovodrun`` on the test hosts like a user).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from horovod.testing.netns import TestNetwork, unavailable
 
-from tests.netns_hosts import TestNetwork, unavailable  # noqa: E402
+# The directory holding this horovod package: the test hosts' ranks import it from there.
+REPO = Path(__file__).resolve().parents[2]
 
 WORKER = """
     import json, sys, time

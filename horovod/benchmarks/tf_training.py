@@ -9,6 +9,8 @@ synthetic batch with a tf.function step. Printed per model: samples/s (all ranks
 plain single process, of horovod at 1 and 2 ranks and of MultiWorkerMirroredStrategy at 2
 workers (gRPC ring collectives on localhost), the scaling efficiency against the plain process,
 and the horovod/MWMS ratio (> 1 means horovod trains faster).
+
+Must not touch: the runtime's internals (it uses ``horovod.tensorflow`` like a user).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ before any communication, the most horovod.torch or DDP can reach there.
 that a slow phase of a shared machine lands on every configuration alike. A second table gives
 the ratios computed within each pass (runs made moments apart), their median over the passes
 and their range: how much of a figure is the machine's phase rather than the code.
+
+Must not touch: the runtime's internals (it uses ``horovod.torch`` like a user).
 """
 
 from __future__ import annotations

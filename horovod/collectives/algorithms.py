@@ -11,6 +11,9 @@ above 2, a binomial tree for broadcast. Large ones use bandwidth-optimal ones: t
 and a pipelined chain broadcast. ``SMALL_BYTES`` is the switch point (HOROVOD_RING_THRESHOLD_
 BYTES); every rank checks at init that it has the same value, so all ranks pick the same
 algorithm.
+
+Must not touch: the engine, negotiation, a transport's internals (only the ``Transport``
+contract), framework tensors.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ and help in its metadata. ``Config.from_env()`` parses them once (at ``hvd.init(
 error that names the variable, the value and what is accepted. ``horovodrun`` maps its flags
 onto these variables (``horovod.runner.launch``) and ``docs/configuration.md`` lists them;
 ``python -m horovod.common.config`` prints that table from this file.
+
+Must not touch: the environment after ``from_env`` (no other module reads ``HOROVOD_*``), any
+layer above.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The element types the collectives accept, with upstream's wire codes."""
+"""The element types the collectives accept, with upstream's wire codes.
+
+Must not touch: any layer above it; framework dtypes (frameworks map theirs to NumPy's).
+"""
 
 from __future__ import annotations
 

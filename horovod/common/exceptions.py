@@ -1,4 +1,7 @@
-"""The one error hierarchy of pyhorovod. Upstream's public names are kept."""
+"""The one error hierarchy of pyhorovod. Upstream's public names are kept.
+
+Must not touch: any layer above it (messages are built by the code that raises).
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Used for wait attribution: a rank waiting for eight tensors at once waited once, not eight
 times. Intervals must arrive with non-decreasing ends (true for negotiations, which end when
 their last request arrives), so merging only ever touches the newest intervals.
+
+Must not touch: any layer above it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Runtime logging in upstream's line format: ``[time: L file:line] message``.
 
 TRACE/DEBUG/INFO go to stdout, WARNING and above to stderr, as upstream does.
+
+Must not touch: the root logger or other libraries' logging, any layer above it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Local network facts shared by the launcher and the transports."""
+"""Local network facts shared by the launcher and the transports.
+
+Must not touch: sockets of any transport or of the launcher (it only answers questions).
+"""
 
 from __future__ import annotations
 

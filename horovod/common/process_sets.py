@@ -1,4 +1,8 @@
-"""Process sets: collectives over a subset of ranks (upstream's ``horovod.common.process_sets``)."""
+"""Process sets: collectives over a subset of ranks (upstream's ``horovod.common.process_sets``).
+
+Must not touch: the engine's set table (registration goes through the frontend's collective
+ops).
+"""
 
 from __future__ import annotations
 

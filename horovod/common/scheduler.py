@@ -21,6 +21,8 @@ Job)
 
 Slurm is recognised from an ``srun`` step only (``SLURM_STEP_NUM_TASKS``), not from the batch
 script's own environment, so ``python train.py`` inside ``sbatch`` still runs as one process.
+
+Must not touch: the environment it is given (it only reads), any layer above it.
 """
 
 from __future__ import annotations

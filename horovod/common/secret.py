@@ -1,5 +1,8 @@
 """The job secret: made by the launcher, handed to workers through the environment, proved by
-every rendezvous request (HMAC) and every transport connection (HMAC challenge-response)."""
+every rendezvous request (HMAC) and every transport connection (HMAC challenge-response).
+
+Must not touch: any layer above it; the secret never goes into logs or error messages.
+"""
 
 from __future__ import annotations
 

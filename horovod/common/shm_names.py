@@ -1,5 +1,8 @@
 """Names of shared-memory segments: shared by the transport that creates them and horovodrun,
-which removes a job's leftovers (segments of ranks killed during set-up) when the job ends."""
+which removes a job's leftovers (segments of ranks killed during set-up) when the job ends.
+
+Must not touch: segments themselves (the transport creates them, horovodrun removes leftovers).
+"""
 
 from __future__ import annotations
 

@@ -20,6 +20,9 @@ How (upstream's method, with two guards of our own):
 
 Every trial is a row of the CSV log (upstream's columns); the end of tuning logs one line that
 explains the choice, e.g. ``fusion 128 MiB -> 8 MiB, cycle 1 ms -> 3.2 ms: +12% throughput``.
+
+Must not touch: the engine's tables (it proposes parameters; the coordinator applies them on
+every rank).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ an id a rank sent before an eviction can still be resolved from the coordinator'
 A rank whose request equals the cached one sends just the id; when every rank does, the
 coordinator skips validation and answers with ids too, so steady-state training exchanges a
 few integers per tensor instead of full descriptions.
+
+Must not touch: anything but its own table, and that only while response lists are processed.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ sets, handles) and ``hvd.shutdown()`` tears down.
 There is no module-level runtime state besides *which* context is current: a process-wide
 default for normal jobs (so framework threads such as data loaders see it too) and a
 ContextVar override used by ``horovod.testing.run_ranks`` to run N ranks as N threads.
+
+Must not touch: a transport's internals (it only creates and closes transports), framework
+tensors, the launcher.
 """
 
 from __future__ import annotations
@@ -74,6 +77,11 @@ def current() -> Context | None:
 
 
 process_sets_module.context_lookup = current
+
+
+def enter_rank(spec: RankSpec) -> None:
+    """Make this thread one rank of a job of threads (``horovod.testing.run_ranks``)."""
+    _spec.set(spec)
 
 
 def bind(fn: Callable[..., Any]) -> Callable[..., Any]:

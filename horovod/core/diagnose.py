@@ -1,6 +1,8 @@
 """What the engine needs to explain a slow or stuck job: Python stacks of a rank (gathered over
 the control channel by the hang doctor), the innermost frame of user code in them, and wait
 attribution (how long ranks waited in negotiation for the slowest rank, and which rank that was).
+
+Must not touch: the engine's state (it reads stacks and timings it is given).
 """
 
 from __future__ import annotations

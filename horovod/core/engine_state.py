@@ -6,7 +6,10 @@ one object, each adding the methods of its concern; this module gives them their
 attributes, the few primitives all of them use (``_send``, ``_register``, ``_close_table``),
 and declares the engine methods that lower layers call (``_handle``, ``_abort``, ...), so each
 layer type-checks on its own. It holds no logic of any path: a new attribute is added here,
-its use in the part that owns it."""
+its use in the part that owns it.
+
+Must not touch: a transport's private state, the coordinator's tables, framework tensors.
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Tensor Fusion's rules: which responses may share one fused buffer, and merging them into one.
 
 Used by the coordinator's fusion planning and by plane rounds, so both fuse alike. Pure
-functions of responses; nothing here knows ranks, transports or buffers."""
+functions of responses; nothing here knows ranks, transports or buffers.
+
+Must not touch: buffers (it plans; the executor and ``ops`` copy).
+"""
 
 from __future__ import annotations
 

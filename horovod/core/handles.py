@@ -3,7 +3,10 @@
 ``Handle`` completes once per entry (several for a grouped op) and raises the error with the
 call site; ``Handle.wait`` lets the waiting thread run the engine when the transport allows
 (``driver``). ``Entry`` is one tensor of a submitted op as the engine tracks it. Nothing here
-knows the engine's loop or the wire."""
+knows the engine's loop or the wire.
+
+Must not touch: the engine's table (the engine completes handles), framework tensors.
+"""
 
 from __future__ import annotations
 

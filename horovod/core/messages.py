@@ -4,6 +4,8 @@ coordinator's decision), with their wire forms and a safe decoder.
 Control messages are pickled plain tuples of ints, floats, strings and containers. They are only
 accepted from peers that proved the job secret, and they are decoded by an unpickler that refuses
 every global (class or function), so even a confused peer can only send data, never code.
+
+Must not touch: anything with state: it only defines and (de)serialises messages.
 """
 
 from __future__ import annotations

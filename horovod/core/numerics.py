@@ -2,7 +2,10 @@
 
 The coordinator's eager allreduce and the peer rounds fold every rank's part themselves; they
 must give the same bits as the data plane's algorithms: prescale, fold in rank order, postscale
-(Average divides by the set's size), integers truncated. Pure functions of arrays."""
+(Average divides by the set's size), integers truncated. Pure functions of arrays.
+
+Must not touch: transports, the engine's state.
+"""
 
 from __future__ import annotations
 

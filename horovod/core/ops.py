@@ -4,6 +4,9 @@ algorithm, copies out. All ranks of the process set run the same responses in th
 Entries missing on this rank belong to ranks that have joined: they contribute zeros to an
 allreduce (and take part in a barrier); the coordinator refuses other collectives while ranks
 are joined, so no other op reaches here without an entry.
+
+Must not touch: the engine's tables or negotiation; a transport beyond the ``Transport``
+contract.
 """
 
 from __future__ import annotations

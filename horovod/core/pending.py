@@ -1,5 +1,8 @@
 """What the coordinator knows of one name in negotiation (``Pending``) and of a response it
-decided on (``Built``). Shared by the coordinator, its validation and its stall inspector."""
+decided on (``Built``). Shared by the coordinator, its validation and its stall inspector.
+
+Must not touch: anything: plain records.
+"""
 
 from __future__ import annotations
 

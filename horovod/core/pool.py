@@ -7,6 +7,9 @@ out again only once no view of it is alive: every NumPy view keeps a reference t
 that owns its memory, so the buffer's reference count tells. This is what PyTorch's caching
 allocator does for tensors. The pool keeps at most ``capacity`` bytes; beyond that, outputs are
 ordinary arrays. ``HOROVOD_OUTPUT_POOL_BYTES=0`` turns it off.
+
+Must not touch: arrays a caller still holds (a buffer is reused only when nothing else refers to
+it).
 """
 
 from __future__ import annotations

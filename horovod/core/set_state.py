@@ -1,5 +1,8 @@
 """A process set as one rank's engine sees it: its ranks, this rank's place in it, the data
-plane restricted to it (a ``SubTransport``), and its response cache."""
+plane restricted to it (a ``SubTransport``), and its response cache.
+
+Must not touch: the coordinator's tables, a transport's internals.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,11 @@ Owns: finding collectives that some ranks submitted and others did not for longe
 the report (who submitted where, who is missing and where it is, cross-set deadlocks, ranks
 stuck in C code), fatal past ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``; the failure text of
 collectives orphaned at shutdown; the periodic wait-attribution summary. It only reads the
-coordinator's tables; it changes none of them (but for orphans, which it removes)."""
+coordinator's tables; it changes none of them (but for orphans, which it removes).
+
+Must not touch: the negotiation tables beyond reading them; the job (it reports and, past the
+limit, the engine aborts).
+"""
 
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ written by global rank 0 in upstream Horovod's format.
 
 Every method is called from the engine thread of rank 0 only; the caller thread never blocks on
 disk.
+
+Must not touch: the engine's state (it records what it is told); files other than the one asked
+for.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ op, scale factors, root, device, process-set arguments) and turns the first disa
 an error response naming the tensor, both ranks, both values, where each called it, and the
 fix. Also checks what no rank may do alone (collectives needing data while ranks have joined,
 scalars where a dimension is needed). Pure: it reads requests and process sets, never changes
-the coordinator's state."""
+the coordinator's state.
+
+Must not touch: the coordinator's tables (it only reads requests and returns an error text).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
 """Keras callbacks of upstream Horovod, shared by ``horovod.tensorflow.keras`` (tf.keras) and
 ``horovod.keras`` (standalone Keras on any backend): start every rank from the same weights,
 average metrics over ranks, and scale the learning rate for the number of ranks. ``build()``
-makes the classes over a given ``Callback`` base class and variable-broadcast function."""
+makes the classes over a given ``Callback`` base class and variable-broadcast function.
+
+Must not touch: a Keras module of its own choosing (the frontend hands it its classes).
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 It is the reference frontend: every collective in its sync, ``_async``, in-place ``_`` and
 grouped forms, handles (``poll``/``synchronize``), join, barrier, object collectives, process
 sets and compression, with the semantics of upstream's ``horovod.torch`` applied to arrays.
+
+Must not touch: anything: it re-exports ``horovod.frontend``.
 """
 
 from horovod.common.exceptions import HostsUpdatedInterrupt

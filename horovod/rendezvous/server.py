@@ -3,6 +3,8 @@
 Every request must carry ``X-Horovod-Auth`` = HMAC(secret, method, path, sha256(body));
 anything else gets 403 and changes nothing. Malformed requests get 400, oversized ones 413,
 and idle connections are dropped after a timeout, so no peer can disturb the store.
+
+Must not touch: the launcher's processes; anything without a valid HMAC.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Rendezvous store clients. ``Store`` is the interface the runtime uses."""
+"""Rendezvous store clients. ``Store`` is the interface the runtime uses.
+
+Must not touch: transports or the engine (it only stores bytes under keys).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
 """``horovodrun --config-file FILE``: upstream's YAML keys mapped onto the command-line flags.
 Values in the file override flags given before ``--config-file`` and are overridden by flags
-given after it."""
+given after it.
+
+Must not touch: the training runtime; flags other than those the file names.
+"""
 
 from __future__ import annotations
 

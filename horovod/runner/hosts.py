@@ -1,4 +1,7 @@
-"""Host lists and rank placement, as upstream's ``horovod.runner.common.util.hosts``."""
+"""Host lists and rank placement, as upstream's ``horovod.runner.common.util.hosts``.
+
+Must not touch: processes or the network (it computes placements).
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ secret for the job (handed to workers through their environment, never on a comm
 starts one process per slot with upstream's ``HOROVOD_*`` environment contract, prefixes their
 output with ``[rank]<stdout>:``/``[rank]<stderr>:``, stops every worker on the first failure or
 on Ctrl-C/SIGTERM, and prints the root cause last.
+
+Must not touch: the training runtime (it starts processes with the ``HOROVOD_*`` environment).
 """
 
 from __future__ import annotations

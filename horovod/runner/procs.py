@@ -4,6 +4,8 @@ first failure, and report the root cause.
 Each worker runs in its own session (process group) so that ``horovodrun`` can stop it and
 everything it started; on Linux the kernel also sends it SIGTERM if ``horovodrun`` itself dies
 (``PR_SET_PDEATHSIG``), so no worker outlives its launcher.
+
+Must not touch: the training runtime; processes it did not start.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ and its argv. The supervisor then
 * removes shared-memory segments the worker's rank left behind (a rank killed during set-up).
 
 Standard library only: it runs before anything of the job is imported.
+
+Must not touch: the training runtime; processes other than the worker it runs.
 """
 
 from __future__ import annotations

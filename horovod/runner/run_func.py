@@ -6,6 +6,8 @@ horovodrun starts ``python -m horovod.runner.run_task`` on every slot; each rank
 function, calls it and stores its result. The caller gets the list of return values in rank order, or the first
 failure re-raised: the rank's own exception, chained to a ``RemoteTraceback`` that carries the
 rank's traceback text (as ``concurrent.futures`` does for process pools).
+
+Must not touch: the training runtime in this process (the function runs in the workers).
 """
 
 from __future__ import annotations

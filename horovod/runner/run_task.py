@@ -5,6 +5,8 @@ Fetches the cloudpickled ``(func, args, kwargs)`` from the job's rendezvous stor
 traceback text, time)`` under scope ``runfunc_result``, key ``<rank>``. An exception is
 re-raised after it is recorded, so the rank fails and horovodrun stops the job as for any
 failing worker.
+
+Must not touch: the launcher (it is the worker side).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """Starting workers on other hosts: the ssh command line, the payload the remote supervisor
 (``horovod.runner.remote``) reads from standard input, the reachability check and the choice of
-addresses. Pure functions where possible, so they are unit-tested without a network."""
+addresses. Pure functions where possible, so they are unit-tested without a network.
+
+Must not touch: the training runtime; ssh configuration beyond the options it is given.
+"""
 
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ Each rank thread calls ``hvd.init()`` before ``fn``; after it, a rank that succe
 barrier for the others, then calls ``hvd.shutdown()``. A failing rank shuts down at once, so
 the others fail with the shutdown message instead of waiting forever. Most multi-rank tests of
 pyhorovod use this and take milliseconds.
+
+Must not touch: the runtime's internals beyond ``horovod.core.context``'s public functions.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def run_ranks(
 
     def body(rank: int) -> None:
         spec = _context.RankSpec(world, rank, dict(base_env), list(hosts) if hosts else None)
-        _context._spec.set(spec)
+        _context.enter_rank(spec)
         try:
             if init:
                 _context.init(**(init_kwargs or {}))

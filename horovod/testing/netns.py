@@ -10,6 +10,9 @@ out of ``~/.ssh/known_hosts`` (``ip netns exec`` mounts both over ``/etc`` insid
 
 Needs root, ``ip`` (iproute2) and ``/usr/sbin/sshd`` (openssh-server); ``unavailable()`` says
 why not, for a clean skip.
+
+Must not touch: the host's own network: only namespaces, files and sshd processes it made, all
+removed by ``close()``.
 """
 
 from __future__ import annotations
@@ -148,8 +151,8 @@ class TestNetwork:
                     break
                 if time.monotonic() > deadline:
                     with open(os.path.join(self.dir, f"sshd_{h}.log")) as f:
-                        log = f.read()
-                    raise RuntimeError(f"sshd on {h} does not answer: {r.stderr}{log}")
+                        told = f.read()
+                    raise RuntimeError(f"sshd on {h} does not answer: {r.stderr}{told}")
                 time.sleep(0.2)
 
     # ------------------------------------------------------------------ use

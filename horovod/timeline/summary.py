@@ -4,6 +4,8 @@ Per tensor: how many times it ran, time spent negotiating (from the first rank's
 last rank's), time in the operation and in each activity inside it (fusion copies, the transfer).
 Per rank: how long it waited in negotiation for the slowest rank, how much waiting it caused
 the others (when it was the last to submit), and how often it was the last.
+
+Must not touch: the runtime; the timeline file (read only).
 """
 
 from __future__ import annotations
