@@ -106,11 +106,7 @@ TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
 
 
 def test_every_module_is_small():
-    big = {
-        m: n
-        for m, p in MODULES.items()
-        if (n := len(p.read_text().splitlines())) > MAX_LINES
-    }
+    big = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, f"modules past {MAX_LINES} lines (split them along a seam): {big}"
 
 

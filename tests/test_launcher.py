@@ -336,6 +336,53 @@ def test_collectives_benchmark_runs():
     assert "| 4 B |" in r.stdout and "| 1 KiB |" in r.stdout
 
 
+def test_collectives_benchmark_measures_a_baseline_checkout_in_the_same_run(tmp_path):
+    """``--baseline DIR`` runs DIR's horovod as the peer ``base``: here a copy whose benchmark
+    worker reports every figure as one second, so its latency column and the ratio prove that
+    the baseline's code ran and not this checkout's."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(
+        REPO / "horovod", base / "horovod", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    bench = base / "horovod" / "benchmarks" / "collectives.py"
+    src = bench.read_text()
+    marked = src.replace("_measure(runs[op], nbytes, budget, hvd.barrier)", "1.0", 1)
+    assert marked != src
+    bench.write_text(marked)
+    r = run_module(
+        "horovod.benchmarks.collectives",
+        *("--peers", "ours", "--max-bytes", "4", "--budget", "0.02", "--repeats", "1"),
+        *("--baseline", str(base)),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "measuring base (pass 1 of 1)" in r.stdout
+    assert "| size | ours latency | base latency |" in r.stdout and "ours/base |" in r.stdout
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 4 B |")]
+    assert len(rows) == 3
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2] == "1000.0 ms" and cells[1] != "1000.0 ms", row
+        assert float(cells[-1].rstrip("x")) > 100, row  # one second against microseconds
+    r = run_module("horovod.benchmarks.collectives", "--baseline", str(tmp_path / "nothing"))
+    assert r.returncode != 0 and "no horovod package there" in r.stdout + r.stderr
+
+
+def test_collectives_benchmark_ratio_columns():
+    from horovod.benchmarks.collectives import ratio_columns
+
+    assert ratio_columns(["ours", "ours-tcp", "mpi"]) == [("ours", "ours-tcp"), ("ours", "mpi")]
+    assert ratio_columns(["ours", "ours-tcp", "mpi", "base", "base-tcp"]) == [
+        ("ours", "ours-tcp"),
+        ("ours", "mpi"),
+        ("base", "mpi"),
+        ("ours", "base"),
+        ("ours-tcp", "base-tcp"),
+    ]
+    assert ratio_columns(["gloo", "mpi"]) == []
+
+
 def test_collectives_benchmark_keeps_each_figures_fastest_pass():
     from horovod.benchmarks.collectives import best_of
 

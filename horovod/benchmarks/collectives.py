@@ -6,7 +6,10 @@
 Peers: ``ours`` (pyhorovod as it runs by default: shared memory between ranks on one host),
 ``ours-tcp`` (the same with HOROVOD_SHARED_MEMORY=0, the path between hosts), ``gloo``
 (torch.distributed), ``mpi`` (Open MPI through mpi4py). A ``memcpy`` column gives one process
-copying the same buffer, the physical reference.
+copying the same buffer, the physical reference. ``--baseline DIR`` adds ``base`` and
+``base-tcp``: the same jobs run with the pyhorovod of another checkout (``DIR`` holds its
+``horovod`` package, e.g. ``git worktree add /tmp/base <commit>``), interleaved with the
+others, so a change is measured against the code before it in the same run.
 
 For each message size it prints the median latency and the bus bandwidth of allreduce,
 allgather and broadcast for every implementation, measured in the same run, and our/peer
@@ -151,6 +154,20 @@ PEERS = {
 }
 
 
+def with_baseline(peers: list[str], baseline: str) -> list[str]:
+    """``peers`` plus the baseline checkout's run of each ``ours`` peer (``base``,
+    ``base-tcp``), registered in ``PEERS`` with the environment that imports ``baseline``."""
+    extra = launch.baseline_env(baseline)
+    out = list(peers)
+    for peer in peers:
+        if peer.startswith("ours"):
+            base = "base" + peer[len("ours") :]
+            launcher, worker, env = PEERS[peer]
+            PEERS[base] = (launcher, worker, {**env, **extra})
+            out.append(base)
+    return out
+
+
 def available(peer: str) -> str | None:
     """None if ``peer`` can run here, else why not."""
     import importlib.util
@@ -216,20 +233,35 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def ratio_columns(peers: list[str]) -> list[tuple[str, str]]:
+    """(numerator, denominator) of each ratio column: ours against every other peer; with a
+    baseline (``--baseline``), the baseline against the same peers, and each of our paths
+    against the baseline's run of it (the change's own effect)."""
+    if "ours" not in peers:
+        return []
+    mine = [p for p in peers if not p.startswith("base")]
+    cols = [("ours", p) for p in mine if p != "ours"]
+    if "base" in peers:
+        cols += [("base", p) for p in mine if not p.startswith("ours")]
+        cols += [
+            (p, "base" + p[4:]) for p in mine if p.startswith("ours") and "base" + p[4:] in peers
+        ]
+    return cols
+
+
 def table(
     results: dict[str, dict], sizes: list[int], n: int, memcpy: dict[int, float] | None = None
 ) -> str:
     peers = list(results)
-    others = [p for p in peers if p != "ours"]
+    cols = ratio_columns(peers)
     lines = []
     for op in OPS:
         head = ["size"] + [f"{p} latency" for p in peers] + [f"{p} busbw" for p in peers]
         if memcpy:
             head.append("memcpy")
-        if "ours" in results:
-            head += [f"ours/{p}" for p in others]
+        head += [f"{a}/{b}" for a, b in cols]
         lines.append(
-            f"\n{op} ({n} ranks, float32 sum; ratio = peer time / our time, >1 means we are "
+            f"\n{op} ({n} ranks, float32 sum; ratio a/b = b's time / a's time, >1 means a is "
             "faster; memcpy = one process copying the same buffer, the physical reference)"
         )
         lines.append("| " + " | ".join(head) + " |")
@@ -244,8 +276,7 @@ def table(
             row += [f"{busbw(op, nbytes, t[p], n):.3f} GB/s" for p in peers]
             if memcpy:
                 row.append(f"{nbytes / memcpy[nbytes] / 1e9:.2f} GB/s")
-            if "ours" in t:
-                row += [f"{t[p] / t['ours']:.2f}x" for p in others]
+            row += [f"{t[b] / t[a]:.2f}x" for a, b in cols]
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -265,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="passes over all peers, interleaved; each figure is the best pass's median",
     )
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run a checkout's pyhorovod (DIR holds its horovod package) as base, base-tcp",
+    )
     ap.add_argument("--worker", choices=list(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -279,8 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--repeats must be at least 1, got {a.repeats}")
     limit = parse_size(a.max_bytes)
     sizes = [s for s in DEFAULT_SIZES if s <= limit]
+    wanted = a.peers.split(",")
+    if a.baseline:
+        wanted = with_baseline(wanted, a.baseline)
     peers = []
-    for peer in a.peers.split(","):
+    for peer in wanted:
         why = available(peer)
         if why:
             print(f"skipping {peer}: {why}")

@@ -11,6 +11,27 @@ import subprocess
 import sys
 
 
+def baseline_env(checkout: str) -> dict[str, str]:
+    """The environment that makes a worker import horovod from another checkout (``--baseline``
+    of the benchmarks): its root first on the path, and not the working directory (which may
+    be this checkout). Checked by importing it: a wrong path would silently measure this code
+    twice."""
+    root = os.path.abspath(checkout)
+    env = {"PYTHONPATH": root, "PYTHONSAFEPATH": "1"}
+    if not os.path.isfile(os.path.join(root, "horovod", "__init__.py")):
+        raise SystemExit(f"--baseline {checkout}: no horovod package there (a checkout's root)")
+    got = subprocess.run(
+        [sys.executable, "-c", "import horovod; print(horovod.__file__)"],
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    if not got.startswith(root + os.sep):
+        raise SystemExit(f"--baseline {checkout}: workers would import horovod from {got!r}")
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,6 +21,9 @@ before any communication, the most horovod.torch or DDP can reach there.
 that a slow phase of a shared machine lands on every configuration alike. A second table gives
 the ratios computed within each pass (runs made moments apart), their median over the passes
 and their range: how much of a figure is the machine's phase rather than the code.
+``--baseline DIR`` also runs horovod.torch from another checkout (``DIR`` holds its ``horovod``
+package) in every pass, and prints every row again for it ("model (baseline)"), with the
+paired ratio of this code's horovod to the baseline's at 2 ranks.
 
 Must not touch: the runtime's internals (it uses ``horovod.torch`` like a user).
 """
@@ -112,6 +115,9 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
             json.dump({"samples_per_s": size * batch * steps / seconds}, f)
 
 
+BASELINE: dict[str, str] = {}  # the environment running the baseline checkout (``--baseline``)
+
+
 def run(
     kind: str,
     np_: int,
@@ -123,6 +129,8 @@ def run(
 ) -> float:
     if kind == "plain" and np_ > 1:
         return _run_independent(np_, model, steps, warmup, batch)
+    if kind == "base":  # horovod.torch from the baseline checkout
+        kind, extra_env = "horovod", {**(extra_env or {}), **BASELINE}
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     args = launch.worker_args("horovod.benchmarks.training", kind, model, steps, warmup, batch, out)
     launchers = {
@@ -202,20 +210,21 @@ PAIRED = (
 )
 
 
-def paired(passes: list[dict[tuple[str, int], float]]) -> list[str]:
+def paired(passes: list[dict[tuple[str, int], float]], hvd: str = "horovod") -> list[str]:
     """The ratios of ``PAIRED``, each computed from the figures of one pass, as "median
     (lowest-highest)" over the passes. Taking each configuration's best pass (the main table)
     may pair one configuration's lucky moment with another's unlucky one on a shared
-    machine; a ratio within a pass compares runs made moments apart."""
+    machine; a ratio within a pass compares runs made moments apart. ``hvd``: the
+    configuration standing for horovod.torch ("base": the baseline checkout's)."""
 
     def ratios(p: dict[tuple[str, int], float]) -> list[float]:
         plain2 = 2 * p[("plain", 1)]
         return [
             p[("lockstep", 2)] / plain2,
-            p[("horovod", 2)] / plain2,
+            p[(hvd, 2)] / plain2,
             p[("ddp", 2)] / plain2,
-            p[("horovod", 2)] / p[("lockstep", 2)],
-            p[("horovod", 2)] / p[("ddp", 2)],
+            p[(hvd, 2)] / p[("lockstep", 2)],
+            p[(hvd, 2)] / p[("ddp", 2)],
         ]
 
     columns = list(zip(*map(ratios, passes), strict=True))
@@ -225,6 +234,23 @@ def paired(passes: list[dict[tuple[str, int], float]]) -> list[str]:
         mid, lo, hi = statistics.median(values), min(values), max(values)
         cells.append(f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})")
     return cells
+
+
+def row(label: str, r: dict[tuple[str, int], float], hvd: str = "horovod") -> str:
+    """One line of the main table from the best figures ``r``; ``hvd``: the configuration
+    standing for horovod.torch ("base": the baseline checkout's)."""
+    plain = r[("plain", 1)]
+
+    def eff(kind: str) -> str:
+        return f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / {r[(kind, 2)] / (2 * plain):.0%}"
+
+    return (
+        f"| {label} | {plain:.0f} | {r[('plain', 2)]:.0f} | {r[('lockstep', 2)]:.0f} | "
+        f"{r[(hvd, 1)]:.0f} | {r[(hvd, 2)]:.0f} | {r[('ddp', 1)]:.0f} | "
+        f"{r[('ddp', 2)]:.0f} | {r[('plain', 2)] / (2 * plain):.0%} | "
+        f"{r[('lockstep', 2)] / (2 * plain):.0%} | {eff(hvd)} | {eff('ddp')} | "
+        f"{r[(hvd, 2)] / r[('ddp', 2)]:.2f}x |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         "--timeline-overhead", action="store_true", help="measure timeline on vs off instead"
     )
     ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run another checkout's horovod.torch (DIR holds its horovod package)",
+    )
+    ap.add_argument(
         "--worker", choices=["plain", "lockstep", "horovod", "ddp"], help=argparse.SUPPRESS
     )
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -255,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.steps} timed steps, best of {a.repeats} interleaved passes; "
         "samples/s of all ranks together\n"
     )
+    if a.baseline:
+        BASELINE.update(launch.baseline_env(a.baseline))
     if a.timeline_overhead:
         timeline_overhead(a.models.split(","), a.steps, a.warmup, a.batch_size, a.repeats)
         return 0
@@ -266,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     paired_rows: list[str] = []
+    versus_base: list[str] = []
     for model in a.models.split(","):
-        configs = (
+        configs = [
             ("plain", 1),
             ("plain", 2),
             ("lockstep", 2),
@@ -275,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             ("horovod", 2),
             ("ddp", 1),
             ("ddp", 2),
-        )
+        ]
+        if BASELINE:
+            configs += [("base", 1), ("base", 2)]
         # Passes over every configuration (a slow phase hits all); each one's best pass.
         passes = [
             {(kind, np_): run(kind, np_, model, a.steps, a.warmup, a.batch_size)
@@ -283,28 +319,33 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(a.repeats)
         ]  # fmt: skip
         r = {c: max(p[c] for p in passes) for c in configs}
-        paired_rows.append(f"| {model} | {len(passes)} | " + " | ".join(paired(passes)) + " |")
-        plain = r[("plain", 1)]
-
-        def eff(kind: str) -> str:
-            return f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / {r[(kind, 2)] / (2 * plain):.0%}"
-
-        print(
-            f"| {model} | {plain:.0f} | {r[('plain', 2)]:.0f} | {r[('lockstep', 2)]:.0f} | "
-            f"{r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | {r[('ddp', 1)]:.0f} | "
-            f"{r[('ddp', 2)]:.0f} | {r[('plain', 2)] / (2 * plain):.0%} | "
-            f"{r[('lockstep', 2)] / (2 * plain):.0%} | {eff('horovod')} | {eff('ddp')} | "
-            f"{r[('horovod', 2)] / r[('ddp', 2)]:.2f}x |",
-            flush=True,
-        )
+        for hvd, label in [("horovod", model)] + (
+            [("base", f"{model} (baseline)")] if BASELINE else []
+        ):
+            paired_rows.append(
+                f"| {label} | {len(passes)} | " + " | ".join(paired(passes, hvd)) + " |"
+            )
+            print(row(label, r, hvd), flush=True)
+        if BASELINE:
+            ab = [p[("horovod", 2)] / p[("base", 2)] for p in passes]
+            versus_base.append(
+                f"| {model} | {r[('horovod', 2)] / r[('base', 2)]:.3f}x | "
+                f"{statistics.median(ab):.3f}x ({min(ab):.3f}x-{max(ab):.3f}x) |"
+            )
     print(
         "\nPaired within each pass (the configurations of one pass ran within a minute or two "
         "of each other), median over the passes (lowest-highest):\n"
     )
     print("| model | passes | " + " | ".join(PAIRED) + " |")
     print("|---|---|" + "---|" * len(PAIRED))
-    for row in paired_rows:
-        print(row)
+    for line in paired_rows:
+        print(line)
+    if versus_base:
+        print("\nThis code's horovod.torch against the baseline's at 2 ranks (samples/s ratio):\n")
+        print("| model | best pass vs best pass | paired within each pass, median (range) |")
+        print("|---|---|---|")
+        for line in versus_base:
+            print(line)
     return 0
 
 
