@@ -291,7 +291,7 @@ class _SafeUnpickler(pickle.Unpickler):
 # The messages of steady-state training have a compact binary form (pickle output always starts
 # with 0x80, so the first byte tells them apart): a rank's cache hits, and a response list made
 # only of cache ids; both as lists of integers parsed without the unpickler. Their eager forms
-# (small allreduces reduced by the coordinator, see engine.py) carry raw bytes after each record.
+# (small allreduces reduced by the coordinator, see coordinator.py) carry raw bytes after each record.
 _HITS = 1  # int64 pairs (ps_id, cid): ("Q", [("H", ps_id, cid), ...])
 _IDS = 2  # int64 runs (ps_id, n, cid x n): ("P", [("K", ps_id, [cid, ...]), ...], None, None)
 _HITS_DATA = 3  # records int64 (ps_id, cid, nbytes) + nbytes of data ("D"); nbytes -1: an "H"
