@@ -2,8 +2,8 @@
 (docs/architecture.md, "The file tree").
 
 Read statically (``ast``), so nothing is imported and every module is seen, frameworks or not.
-Module-level imports are what count for layers and cycles; an import inside a function (a lazy
-import of an optional framework) or under ``if TYPE_CHECKING`` does not run at import time.
+The layers count every import, lazy ones (inside a function) included; cycles count the imports
+that run when a module is imported (a lazy import, or one under ``if TYPE_CHECKING``, does not).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "horovod"
 MAX_LINES = 800
 
-# Packages of horovod, lowest layer first. A module may import, at module level, only from its
-# own package and from the packages this table allows (an arrow may only point down).
+# Packages of horovod, lowest layer first. A module may import only from its own package and
+# from the packages this table allows (an arrow may only point down), lazily or not.
 ALLOWED: dict[str, set[str]] = {
     "common": set(),
     "rendezvous": {"common"},
@@ -34,15 +34,13 @@ ALLOWED: dict[str, set[str]] = {
     "keras": {"common", "core", "frontend", "keras_common", "tensorflow"},
     # beside the stack: the launcher never imports the training runtime
     "runner": {"common", "rendezvous", "__version__"},
-    # tools on top: nothing in the runtime imports them
+    # tools on top: nothing in the runtime imports them (no layer above lists them)
     "timeline": {"common"},
     "testing": {"common", "core", "frontend", "transport"},
-    "benchmarks": {"common", "testing"},
+    "benchmarks": {"common", "testing", "numpy", "torch", "tensorflow"},
     # ``horovod`` itself: its version and ``horovod.run``
     "horovod": {"runner"},
 }
-TOOLS = {"benchmarks", "testing", "timeline"}
-
 
 def _modules() -> Iterator[tuple[str, Path]]:
     for path in sorted(ROOT.rglob("*.py")):
@@ -126,26 +124,14 @@ def test_imports_point_down_the_layers():
     for m, tree in TREES.items():
         mine = _package(m)
         assert mine in ALLOWED, f"package {mine!r} is in no layer: add it to ALLOWED"
-        for node in _module_level_imports(tree):
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
             for target, name in _targets(node):
                 theirs = _package(target) if target != "horovod" else (name or "horovod")
                 if theirs != mine and theirs not in ALLOWED[mine]:
                     wrong.append(f"{m} imports {target}{'.' + name if name else ''}")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
-
-
-def test_nothing_in_the_runtime_imports_the_launcher_or_the_tools():
-    wrong = []
-    for m, tree in TREES.items():
-        mine = _package(m)
-        if mine in TOOLS or mine in ("runner", "horovod"):
-            continue
-        for node in ast.walk(tree):  # lazy imports too
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for target, _ in _targets(node):
-                    if _package(target) in TOOLS | {"runner"}:
-                        wrong.append(f"{m} imports {target}")
-    assert not wrong, wrong
 
 
 def _private_uses(m: str, tree: ast.Module) -> Iterator[str]:

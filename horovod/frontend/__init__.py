@@ -102,31 +102,9 @@ from horovod.frontend.submission import (
     waited,
 )
 
-# The building blocks framework packages use (not part of ``horovod.numpy``'s API).
-FRAMEWORK_API = [
-    "NOT_EXPRESS",
-    "ALLGATHER",
-    "ALLREDUCE",
-    "BROADCAST",
-    "REDUCE_OPS",
-    "Alloc",
-    "Compressor",
-    "NoneCompressor",
-    "as_array",
-    "check_writable",
-    "express",
-    "express_allreduce",
-    "require_context",
-    "resolve_op",
-    "resolve_set",
-    "submit_allgather",
-    "submit_allreduce",
-    "submit_allreduce_batch",
-    "submit_alltoall",
-    "submit_broadcast",
-    "submit_reducescatter",
-    "waited",
-]
+# Besides ``__all__`` (horovod.numpy's API), framework packages use the building blocks above:
+# ``submit_*``, ``express``/``express_allreduce``/``NOT_EXPRESS``, ``waited``, the checks of
+# ``arguments`` and the op codes.
 
 __all__ = [
     "init",
