@@ -26,12 +26,14 @@ ALLOWED: dict[str, set[str]] = {
     "collectives": {"common", "transport"},
     "core": {"common", "rendezvous", "transport", "collectives"},
     "frontend": {"common", "core"},
-    "numpy": {"common", "frontend"},
-    "keras_common": {"common", "frontend"},
-    "torch": {"common", "core", "frontend"},
-    "tensorflow": {"common", "core", "frontend", "keras_common"},
+    # elastic training, worker side: states and the retry loop (the driver is runner's)
+    "elastic": {"common", "rendezvous", "core", "frontend"},
+    "numpy": {"common", "frontend", "elastic"},
+    "keras_common": {"common", "frontend", "elastic"},
+    "torch": {"common", "core", "frontend", "elastic"},
+    "tensorflow": {"common", "core", "frontend", "keras_common", "elastic"},
     # Keras 3 on the TensorFlow backend uses horovod.tensorflow's compression
-    "keras": {"common", "core", "frontend", "keras_common", "tensorflow"},
+    "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "elastic"},
     # beside the stack: the launcher never imports the training runtime
     "runner": {"common", "rendezvous", "__version__"},
     # tools on top: nothing in the runtime imports them (no layer above lists them)

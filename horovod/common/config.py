@@ -177,6 +177,30 @@ class Config:
     )
     hostname: str = _knob("HOROVOD_HOSTNAME", "", "Host name of this process (default: its own).")
     elastic: bool = _knob("HOROVOD_ELASTIC", False, "Elastic mode (set by the launcher).")
+    elastic_timeout: float = _knob(
+        "HOROVOD_ELASTIC_TIMEOUT",
+        600.0,
+        "Elastic: seconds to wait for enough slots (at least --min-np) before failing.",
+        minimum=0,
+    )
+    elastic_slot: str = _knob(
+        "HOROVOD_ELASTIC_SLOT", "", "Elastic: this worker's slot, host:index (set by horovodrun)."
+    )
+    elastic_round: int = _knob(
+        "HOROVOD_ELASTIC_ROUND",
+        0,
+        "Elastic: the membership round a new worker was started for (set by horovodrun).",
+        minimum=0,
+    )
+    elastic_worker_id: str = _knob(
+        "HOROVOD_ELASTIC_WORKER_ID", "", "Elastic: this process's id (set by horovodrun)."
+    )
+    elastic_poll_seconds: float = _knob(
+        "HOROVOD_ELASTIC_POLL_SECONDS",
+        1.0,
+        "Elastic: how often a worker looks for host changes announced by horovodrun.",
+        minimum=0.01,
+    )
     # --- transport and rendezvous -----------------------------------------------------------
     controller: str = _knob(
         "HOROVOD_CONTROLLER",

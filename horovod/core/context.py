@@ -31,7 +31,7 @@ from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.core import pool
+from horovod.core import membership, pool
 from horovod.core.autotune import Autotuner, Params
 from horovod.core.engine import Engine
 from horovod.core.handles import Handle
@@ -125,6 +125,8 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
     if ctx is not None and not ctx.stopped:
         return ctx
     env: dict[str, str]
+    scope: str | None = None
+    rnd: membership.Round | None = None
     if spec is not None:
         env = spec.env
     else:
@@ -160,9 +162,11 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
         launch = scheduler.detect(env)
         if launch is not None:  # srun / mpirun started this worker, not horovodrun
             env = {**env, **launch.env}
+        elif membership.elastic_requested(env):  # horovodrun's elastic driver seats us
+            rnd, scope = membership.join(env)
         cfg = Config.from_env(env)
         log.configure(cfg.log_level, cfg.log_hide_time)
-    new = Context(cfg, spec, static, env, launch if spec is None else None)
+    new = Context(cfg, spec, static, env, launch if spec is None else None, scope, rnd)
     with _lock:
         if spec is not None:
             _thread_ctx.set(new)
@@ -291,8 +295,11 @@ class Context:
         static_sets: list[ProcessSet],
         env: Mapping[str, str] | None = None,
         launch: scheduler.Launch | None = None,
+        scope: str | None = None,
+        elastic_round: membership.Round | None = None,
     ) -> None:
         self.config = cfg
+        self.elastic_round = elastic_round  # the elastic membership round this context is
         self.rank, self.size = cfg.rank, cfg.size
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
         self.cross_rank, self.cross_size = cfg.cross_rank, cfg.cross_size
@@ -302,7 +309,7 @@ class Context:
         self._handle_ids = itertools.count(1)
         self.op_counters: Counter[str] = Counter()
         round_id = next(spec.rounds if spec is not None else _process_rounds)
-        scope = f"init{round_id}"
+        scope = scope or f"init{round_id}"
         for ps in static_sets:
             bad = [r for r in ps.ranks if r >= cfg.size]
             if bad:

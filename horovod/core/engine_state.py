@@ -184,6 +184,14 @@ class EngineState:
             self.answer_wait_s = ANSWER_WAIT_MAX_S
         self.answer_by = 0.0
         self.round_warn_s = stall_check_seconds
+        # Past this, a peer round that waits for some ranks stops the job, as the stall
+        # inspector does for negotiated collectives (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).
+        self.round_shutdown_s = (
+            stall_shutdown_seconds if stall_shutdown_seconds > stall_check_seconds > 0 else 0.0
+        )
+        # Ranks this engine stopped waiting for (the stall shutdown): elastic mode reports
+        # them to horovodrun, which stops them.
+        self.unresponsive: list[int] = []
         self.round_warn_at = 0.0
         self.round_posted_at = 0.0
         self._thread = threading.Thread(
@@ -196,6 +204,10 @@ class EngineState:
             self.polled.send_fast(peer, payload)
         else:
             self.transport.send_ctrl(peer, payload)
+
+    def unresponsive_peers(self) -> list[int]:
+        """Ranks this engine gave up waiting for (see ``unresponsive``)."""
+        return list(self.unresponsive)
 
     def _register(self, ps_id: int, ranks: Sequence[int]) -> None:
         self.sets[ps_id] = SetState(

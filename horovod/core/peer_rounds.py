@@ -230,16 +230,25 @@ class PeerRounds(Executor):
             if now >= self.round_warn_at:
                 self.round_warn_at = now + self.round_warn_s
                 e = self.round_items[0][0]
-                logger.warning(
-                    "rank %d: %s%s has waited %.1f s in a peer round for %s to post too: not "
-                    "submitted there yet, and that engine has not answered (busy or blocked "
-                    "outside Horovod?)",
-                    self.rank,
-                    display_name(e.request.op, e.request.name),
-                    f" (submitted at {e.handle.callsite})" if e.handle.callsite else "",
-                    now - self.round_posted_at,
-                    ranks_text(board.waiting()),
+                waited = now - self.round_posted_at
+                text = (
+                    f"rank {self.rank}: {display_name(e.request.op, e.request.name)}"
+                    + (f" (submitted at {e.handle.callsite})" if e.handle.callsite else "")
+                    + f" has waited {waited:.1f} s in a peer round for "
+                    + f"{ranks_text(board.waiting())} to post too: not submitted there yet, "
+                    "and that engine has not answered (busy or blocked outside Horovod?)"
                 )
+                if self.round_shutdown_s and waited >= self.round_shutdown_s:
+                    self.unresponsive = sorted(board.waiting())
+                    text += (
+                        f"\nStopping the job: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
+                        f"{self.round_shutdown_s:g} was exceeded."
+                    )
+                    logger.error(text)
+                    self.on_fatal_report(text)
+                    self._abort(text)
+                    return
+                logger.warning(text)
 
     def _close_round(self) -> None:
         """Every peer has posted this rank's open round: read the posts, decide, and run the

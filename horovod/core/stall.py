@@ -206,6 +206,7 @@ class StallInspector:
                 f"{self.stall_shutdown:g} was exceeded."
             )
             logger.error(text)
+            self.e.unresponsive = sorted({r for st in d.stalled for r in st.missing})
             try:
                 self.e.on_fatal_report(text)
             finally:

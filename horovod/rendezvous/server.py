@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from horovod.rendezvous.store import AUTH_HEADER, request_tag
@@ -37,7 +38,9 @@ class _Handler(BaseHTTPRequestHandler):
         parts = self.path.split("/")
         if len(parts) != 3 or not parts[1] or not parts[2]:
             return None
-        return parts[1], parts[2]
+        # Clients quote scope and key (``HTTPStoreClient``): store them as the launcher names
+        # them, so ``get``/``put`` here see the same keys.
+        return urllib.parse.unquote(parts[1]), urllib.parse.unquote(parts[2])
 
     def _authorised(self, body: bytes) -> bool:
         tag = self.headers.get(AUTH_HEADER, "")
@@ -132,6 +135,8 @@ class RendezvousServer:
     def put(self, scope: str, key: str, value: bytes) -> None:
         with self._server.lock:
             self._server.data[(scope, key)] = bytes(value)
+
+    set = put  # the ``Store`` interface's name, so protocol code runs on the server too
 
     def start(self) -> RendezvousServer:
         self._thread.start()

@@ -28,6 +28,8 @@ from horovod.common.secret import make_secret
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner import ssh
 from horovod.runner.config_file import parse_with_config
+from horovod.runner.elastic.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
+from horovod.runner.elastic.launch import run_elastic
 from horovod.runner.hosts import (
     assign_slots,
     is_local,
@@ -64,6 +66,7 @@ def _port(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="horovodrun",
+        allow_abbrev=False,  # options of the training command must not match ours
         description="Launch a Horovod training job (pyhorovod).",
         epilog="Example: horovodrun -np 2 python examples/numpy_digits.py",
     )
@@ -175,8 +178,53 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
     )
+    el = p.add_argument_group(
+        "elastic (docs/elastic.md): given --min-np or --host-discovery-script, the job survives "
+        "lost workers and grows and shrinks with the hosts"
+    )
+    el.add_argument(
+        "--min-np", "--min-num-proc", dest="min_np", type=_positive, help="fewest workers"
+    )
+    el.add_argument(
+        "--max-np", "--max-num-proc", dest="max_np", type=_positive, help="most workers"
+    )
+    el.add_argument(
+        "--host-discovery-script",
+        help="executable printing the usable hosts, one 'host:slots' (or 'host') per line; "
+        "run every second",
+    )
+    el.add_argument(
+        "--slots",
+        "--slots-per-host",
+        dest="slots",
+        type=_positive,
+        help="slots of a host the discovery script prints without ':slots'",
+    )
+    el.add_argument(
+        "--reset-limit", type=_nonneg(int), help="fail the job after this many resets"
+    )
+    el.add_argument(
+        "--blacklist-cooldown-range",
+        type=_nonneg(float),
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="a blacklisted host comes back after a cooldown between MIN and MAX seconds, "
+        "doubling with each blacklisting (default: never)",
+    )
+    el.add_argument(
+        "--elastic-timeout",
+        type=_nonneg(float),
+        help="seconds to wait for --min-np slots (default HOROVOD_ELASTIC_TIMEOUT or 600)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="the training command")
     return p
+
+
+def _positive(text: str) -> int:
+    v = _nonneg(int)(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return v
 
 
 def env_from_args(a: argparse.Namespace) -> dict[str, str]:
@@ -274,12 +322,38 @@ def main(
         lsf = None if (a.hosts or a.hostfile) else lsf_hosts(os.environ)
     except ValueError as e:
         return _error(str(e))
+    elastic = a.host_discovery_script is not None or a.min_np is not None
+    if a.np is None and elastic:
+        a.np = a.min_np
     if a.np is None and lsf is not None:  # under LSF, -np defaults to the job's slots
         a.np = sum(h.slots for h in lsf)
     if a.np is None:
-        return _error("-np/--num-proc is required (the number of worker processes)")
+        return _error(
+            "-np/--num-proc is required (the number of worker processes; for elastic jobs "
+            "--min-np will do)"
+        )
     if a.np == 0:
         return _error("-np must be at least 1")
+    if elastic:
+        a.min_np = a.min_np or a.np
+        if a.min_np > a.np or (a.max_np is not None and a.max_np < a.np):
+            return _error(
+                f"elastic sizes must satisfy --min-np <= -np <= --max-np; got {a.min_np} <= "
+                f"{a.np} <= {a.max_np}"
+            )
+        if a.host_discovery_script is not None and (a.hosts or a.hostfile):
+            return _error("give either --host-discovery-script or -H/--hostfile, not both")
+        cool = a.blacklist_cooldown_range
+        if cool is not None and not (1 <= cool[0] <= cool[1] <= 3600):
+            return _error(
+                "--blacklist-cooldown-range MIN MAX needs 1 <= MIN <= MAX <= 3600 (seconds); "
+                f"got {cool[0]:g} {cool[1]:g}"
+            )
+    elif a.max_np is not None or a.reset_limit is not None or a.blacklist_cooldown_range:
+        return _error(
+            "--max-np, --reset-limit and --blacklist-cooldown-range are for elastic jobs: "
+            "add --min-np or --host-discovery-script"
+        )
     command = list(a.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -289,18 +363,25 @@ def main(
         return _error(
             "--mpi is not available in this build; the default (--gloo) engine needs no MPI"
         )
+    discovery = None
     try:
-        hosts = (
-            parse_hostfile(a.hostfile)
-            if a.hostfile
-            else parse_hosts(a.hosts)
-            if a.hosts
-            else lsf
-            if lsf is not None
-            else parse_hosts(f"localhost:{a.np}")
-        )
-        slots = assign_slots(hosts, a.np)
-    except (OSError, ValueError) as e:
+        if a.host_discovery_script is not None:
+            discovery = ScriptDiscovery(a.host_discovery_script, a.slots)
+            hosts = discovery.find()
+        else:
+            hosts = (
+                parse_hostfile(a.hostfile)
+                if a.hostfile
+                else parse_hosts(a.hosts)
+                if a.hosts
+                else lsf
+                if lsf is not None
+                else parse_hosts(f"localhost:{a.np}")
+            )
+            if elastic:
+                discovery = FixedHosts(hosts)
+        slots = [] if elastic else assign_slots(hosts, a.np)
+    except (OSError, ValueError, DiscoveryError) as e:
         return _error(str(e))
     try:
         keepalive = setting("ssh_keepalive_seconds")
@@ -308,9 +389,9 @@ def main(
     except ConfigError as e:
         return _error(str(e))
     nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
-    names = dict.fromkeys(s.hostname for s in slots)  # each host resolved once, in order
+    names = dict.fromkeys(h.hostname for h in hosts)  # each host resolved once, in order
     remote = [h for h in names if not is_local(h)]
-    runs_here = any(s.hostname not in remote for s in slots)
+    runs_here = elastic or any(s.hostname not in remote for s in slots)
     if runs_here and shutil.which(command[0]) is None and not os.path.exists(command[0]):
         return _error(f"command not found: {command[0]}")
     addr = "127.0.0.1"
@@ -351,23 +432,30 @@ def main(
         base["NCCL_SOCKET_IFNAME"] = ",".join(nics)
     supervisor = ssh.supervisor_command()
     here = ssh.cwd()
-    commands = []
-    for s in slots:
+    local_names: dict[str, bool] = {h: h not in remote for h in names}
+
+    def make_command(host: str, rank: int, slot_env: dict[str, str]) -> Command:
         env = dict(base)
-        env.update(s.env())
-        if s.hostname in remote:
-            argv = ssh.ssh_command(
-                s.hostname,
-                supervisor,
-                port=a.ssh_port,
-                identity=a.ssh_identity_file,
-                keepalive_seconds=keepalive,
-            )
-            commands.append(
-                Command(s.rank, s.hostname, argv, dict(os.environ), ssh.payload(command, env, here))
-            )
-        else:
-            commands.append(Command(s.rank, s.hostname, command, env))
+        env.update(slot_env)
+        if host not in local_names:  # a host discovered later
+            local_names[host] = is_local(host)
+        if local_names[host]:
+            return Command(rank, host, command, env)
+        argv = ssh.ssh_command(
+            host,
+            supervisor,
+            port=a.ssh_port,
+            identity=a.ssh_identity_file,
+            keepalive_seconds=keepalive,
+        )
+        return Command(rank, host, argv, dict(os.environ), ssh.payload(command, env, here))
+
+    if elastic:
+        try:
+            return run_elastic(a, server, discovery, make_command, base, grace, secret)
+        finally:
+            server.stop()
+    commands = [make_command(s.hostname, s.rank, s.env()) for s in slots]
     if a.verbose:
         print(
             f"horovodrun: {a.np} processes on {', '.join(f'{h.hostname}:{h.slots}' for h in hosts)}"

@@ -170,48 +170,13 @@ class Job:
         self.interrupted: str | None = None
 
     def start(self) -> None:
-        size = len(self.commands)
         for c in self.commands:
-            rank, argv = c.rank, c.argv
             try:
-                proc = subprocess.Popen(
-                    argv,
-                    env=c.env,
-                    stdin=subprocess.DEVNULL if c.stdin is None else subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,
-                    preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
-                )
-            except OSError as e:
+                w = spawn(c, self.sink, len(self.commands), self.exits)
+            except RuntimeError:
                 self.stop_all()
-                raise RuntimeError(
-                    f"horovodrun: cannot start rank {rank}: {argv[0]}: {e.strerror or e}"
-                ) from None
-            w = Worker(rank, c.host, proc, remote=c.stdin is not None)
+                raise
             self.workers.append(w)
-            if c.stdin is not None and proc.stdin is not None:
-                try:
-                    proc.stdin.write(c.stdin)
-                    proc.stdin.flush()
-                except OSError:
-                    pass  # ssh already failed: its exit status and output say why
-            for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
-                t = threading.Thread(
-                    target=_forward,
-                    args=(w, pipe, stream, self.sink, size),
-                    daemon=True,
-                    name=f"fwd-{rank}-{stream}",
-                )
-                t.start()
-                w.threads.append(t)
-            threading.Thread(target=self._wait, args=(w,), daemon=True, name=f"wait-{rank}").start()
-
-    def _wait(self, w: Worker) -> None:
-        code = w.proc.wait()
-        w.exit_time = time.time()
-        w.exit_code = 128 - code if code < 0 else code
-        self.exits.put(w)
 
     def wait(self) -> int:
         """Block until every worker has exited; returns horovodrun's exit status."""
@@ -270,33 +235,7 @@ class Job:
     def stop_all(self, except_rank: int | None = None) -> None:
         """SIGTERM every running worker's process group; SIGKILL what is left after the grace
         period (in a background thread, so forwarding continues meanwhile)."""
-        targets = [w for w in self.workers if w.rank != except_rank and w.proc.poll() is None]
-        for w in targets:
-            w.stopped_by_us = True
-            w.stop_time = time.time()
-            if w.remote and w.proc.stdin is not None:
-                # End of input tells the remote supervisor to stop the worker (SIGTERM, then
-                # SIGKILL); ssh keeps forwarding its last output meanwhile.
-                try:
-                    w.proc.stdin.close()
-                except OSError:
-                    _signal_group(w.proc.pid, signal.SIGTERM)
-            else:
-                _signal_group(w.proc.pid, signal.SIGTERM)
-
-        def _kill_later() -> None:
-            # A remote supervisor applies the grace period itself; its ssh gets a little longer
-            # to bring the worker's last words home.
-            start = time.monotonic()
-            deadline = {w.rank: start + self.grace + (3.0 if w.remote else 0.0) for w in targets}
-            while any(w.proc.poll() is None for w in targets):
-                now = time.monotonic()
-                for w in targets:
-                    if now >= deadline[w.rank] and w.proc.poll() is None:
-                        _signal_group(w.proc.pid, signal.SIGKILL)
-                time.sleep(0.05)
-
-        threading.Thread(target=_kill_later, daemon=True, name="killer").start()
+        stop_workers([w for w in self.workers if w.rank != except_rank], self.grace)
 
     def interrupt(self, signame: str) -> None:
         if self.interrupted is None:
@@ -365,6 +304,85 @@ class Job:
         else:
             lines.append(f"Rank {f.rank} printed nothing.")
         return "\n".join(lines)
+
+
+def spawn(c: Command, sink: OutputSink, size: int, exits: queue.SimpleQueue) -> Worker:
+    """Start one worker: its output is forwarded through ``sink`` with its rank as prefix
+    (``Worker.rank`` may change while it runs) and it is put on ``exits`` when it ends."""
+    try:
+        proc = subprocess.Popen(
+            c.argv,
+            env=c.env,
+            stdin=subprocess.DEVNULL if c.stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+        )
+    except OSError as e:
+        raise RuntimeError(
+            f"horovodrun: cannot start rank {c.rank}: {c.argv[0]}: {e.strerror or e}"
+        ) from None
+    w = Worker(c.rank, c.host, proc, remote=c.stdin is not None)
+    if c.stdin is not None and proc.stdin is not None:
+        try:
+            proc.stdin.write(c.stdin)
+            proc.stdin.flush()
+        except OSError:
+            pass  # ssh already failed: its exit status and output say why
+    for pipe, stream in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):
+        t = threading.Thread(
+            target=_forward,
+            args=(w, pipe, stream, sink, size),
+            daemon=True,
+            name=f"fwd-{c.rank}-{stream}",
+        )
+        t.start()
+        w.threads.append(t)
+
+    def wait() -> None:
+        code = proc.wait()
+        w.exit_time = time.time()
+        w.exit_code = 128 - code if code < 0 else code
+        exits.put(w)
+
+    threading.Thread(target=wait, daemon=True, name=f"wait-{c.rank}").start()
+    return w
+
+
+def stop_workers(workers: Sequence[Worker], grace: float, sig: int = signal.SIGTERM) -> None:
+    """Stop the running ones of ``workers``: ``sig`` to each one's process group (a remote one:
+    end of its input, on which its supervisor stops it), SIGKILL what is left after ``grace``
+    seconds (in a background thread, so forwarding continues meanwhile)."""
+    targets = [w for w in workers if w.proc.poll() is None]
+    for w in targets:
+        w.stopped_by_us = True
+        w.stop_time = time.time()
+        if w.remote and w.proc.stdin is not None and sig != signal.SIGKILL:
+            # End of input tells the remote supervisor to stop the worker (SIGTERM, then
+            # SIGKILL); ssh keeps forwarding its last output meanwhile.
+            try:
+                w.proc.stdin.close()
+            except OSError:
+                _signal_group(w.proc.pid, sig)
+        else:
+            _signal_group(w.proc.pid, sig)
+    if not targets:
+        return
+
+    def _kill_later() -> None:
+        # A remote supervisor applies the grace period itself; its ssh gets a little longer
+        # to bring the worker's last words home.
+        start = time.monotonic()
+        deadline = {id(w): start + grace + (3.0 if w.remote else 0.0) for w in targets}
+        while any(w.proc.poll() is None for w in targets):
+            now = time.monotonic()
+            for w in targets:
+                if now >= deadline[id(w)] and w.proc.poll() is None:
+                    _signal_group(w.proc.pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    threading.Thread(target=_kill_later, daemon=True, name="killer").start()
 
 
 def _signal_group(pid: int, sig: int) -> None:

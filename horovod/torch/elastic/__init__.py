@@ -1,9 +1,11 @@
-"""``horovod.torch.elastic``. This version provides ``ElasticSampler`` (usable without
-elastic mode); ``run`` and ``TorchState`` arrive with elastic training.
+"""``horovod.torch.elastic``: ``run``, ``TorchState`` and ``ElasticSampler`` (upstream's names),
+plus the framework-free ``State`` and ``ObjectState``.
 
 Must not touch: the engine; the dataset (the sampler only chooses indices).
 """
 
+from horovod.elastic import ObjectState, State, run
 from horovod.torch.elastic.sampler import ElasticSampler
+from horovod.torch.elastic.state import TorchState
 
-__all__ = ["ElasticSampler"]
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]

@@ -1,0 +1,82 @@
+"""``horovodrun`` for elastic jobs (``--min-np`` or ``--host-discovery-script``): sets the
+elastic defaults of the workers' environment, runs the driver, prints its report.
+
+Frozen workers are found through the stall shutdown: in elastic jobs it defaults to 60 s
+(``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``, warnings from 30 s), after which a worker's peers give
+up on it and the driver stops it; the driver itself stops a member that has not left a broken
+round 10 s after that.
+
+Must not touch: the training runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+from collections.abc import Callable
+
+from horovod.common.config import setting
+from horovod.common.shm_names import cleanup_job
+from horovod.rendezvous.server import RendezvousServer
+from horovod.runner.elastic.driver import ElasticDriver
+from horovod.runner.procs import Command, OutputSink
+
+STALL_SHUTDOWN_DEFAULT_S = 60.0
+LEAVE_MARGIN_S = 10.0
+
+
+def run_elastic(
+    a: argparse.Namespace,
+    server: RendezvousServer,
+    discovery: object,
+    make_command: Callable[[str, int, dict[str, str]], Command],
+    base: dict[str, str],
+    grace: float,
+    secret: str,
+) -> int:
+    import sys
+
+    if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in base:
+        base["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = f"{STALL_SHUTDOWN_DEFAULT_S:g}"
+        if "HOROVOD_STALL_CHECK_TIME_SECONDS" not in base:
+            base["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{STALL_SHUTDOWN_DEFAULT_S / 2:g}"
+    shutdown_s = setting("stall_shutdown_time_seconds", base)
+    elastic_timeout = (
+        a.elastic_timeout if a.elastic_timeout is not None else setting("elastic_timeout", base)
+    )
+    start_timeout = (
+        a.start_timeout if a.start_timeout is not None else setting("start_timeout", base)
+    )
+    base["HOROVOD_ELASTIC_TIMEOUT"] = f"{elastic_timeout:g}"
+    cooldown = a.blacklist_cooldown_range
+    driver = ElasticDriver(
+        discovery,
+        server=server,
+        make_command=make_command,
+        np=a.np,
+        min_np=a.min_np,
+        max_np=a.max_np if a.max_np is not None else (a.np if a.host_discovery_script is None else None),
+        reset_limit=a.reset_limit,
+        cooldown=None if cooldown is None else (cooldown[0], cooldown[1]),
+        elastic_timeout=elastic_timeout,
+        start_timeout=start_timeout,
+        leave_timeout=(shutdown_s or STALL_SHUTDOWN_DEFAULT_S) + LEAVE_MARGIN_S,
+        grace=grace,
+        sink=OutputSink(a.prefix_output_with_timestamp, a.output_filename),
+        verbose=a.verbose,
+    )
+
+    def on_signal(signum: int, _frame: object) -> None:
+        driver.interrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = driver.run()
+    finally:
+        for signum, handler in old.items():
+            signal.signal(signum, handler)
+        cleanup_job(bytes.fromhex(secret))
+    report = driver.report()
+    if report:
+        print(report, file=sys.stderr)
+    return status

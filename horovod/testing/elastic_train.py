@@ -1,0 +1,122 @@
+"""A small elastic training job with fault injection, for the elastic tests and the campaign
+(``python -m horovod.benchmarks.elastic``). Run it under ``horovodrun --min-np ...``.
+
+It trains a linear model on fixed synthetic data with ``horovod.numpy``: every batch is split
+over the current ranks, gradients are averaged, and the state (weights, epoch, batch) is
+committed every ``--commit-every`` batches. Faults come from ``HOROVOD_TEST_FAULTS``, a JSON
+list of ``{"id", "epoch", "batch", "rank", "how"}`` (``how``: ``raise``, ``exit``
+(``os._exit(1)``), ``sigkill``, ``sigstop``), each fired once: the first worker to reach it
+claims a marker file in ``HOROVOD_TEST_FAULT_DIR``, writes the time there and fails.
+
+Rank 0 of each round appends one line per finished batch to ``--log``:
+``<time> <epoch> <batch> <size> <round>``; every rank writes its final weights to
+``--out/rank.<r>.npy`` and its epoch and batch counters to ``--out/rank.<r>.json``.
+
+Must not touch: anything outside the files it is told to write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import horovod.numpy as hvd
+
+
+def fault_here(epoch: int, batch: int) -> None:
+    faults = json.loads(os.environ.get("HOROVOD_TEST_FAULTS", "[]"))
+    where = os.environ.get("HOROVOD_TEST_FAULT_DIR", "")
+    for f in faults:
+        if (f["epoch"], f["batch"], f["rank"]) != (epoch, batch, hvd.rank()):
+            continue
+        marker = os.path.join(where, f"fault.{f['id']}")
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            continue  # fired already (by this slot's predecessor, or at an earlier pass)
+        os.write(fd, f"{time.time()!r}".encode())
+        os.close(fd)
+        how = f["how"]
+        print(f"fault {f['id']}: {how} at epoch {epoch} batch {batch}", flush=True)
+        if how == "raise":
+            raise RuntimeError(f"injected fault {f['id']}")
+        if how == "exit":
+            os._exit(1)
+        if how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        time.sleep(3600)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batches", type=int, default=8, help="batches per epoch")
+    p.add_argument("--batch-size", type=int, default=24)
+    p.add_argument("--commit-every", type=int, default=1)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="extra time per batch")
+    p.add_argument("--log", default="")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+
+    hvd.init()
+    rng = np.random.default_rng(0)
+    features = 16
+    x = rng.standard_normal((args.batches * args.batch_size, features))
+    true_w = rng.standard_normal(features)
+    y = x @ true_w
+    state = hvd.elastic.ObjectState(w=np.zeros(features), epoch=0, batch=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.ObjectState) -> None:
+        while state.epoch < args.epochs:
+            while state.batch < args.batches:
+                fault_here(state.epoch, state.batch)
+                lo = state.batch * args.batch_size
+                xb, yb = x[lo : lo + args.batch_size], y[lo : lo + args.batch_size]
+                mine = slice(hvd.rank(), None, hvd.size())
+                err = xb[mine] @ state.w - yb[mine]
+                grad = hvd.allreduce(xb[mine].T @ err, op=hvd.Sum, name="grad")
+                count = hvd.allreduce(np.array([len(err)], np.float64), op=hvd.Sum, name="n")
+                state.w = state.w - 0.05 * grad / count[0]
+                if args.step_seconds:
+                    time.sleep(args.step_seconds)
+                if hvd.rank() == 0 and args.log:
+                    g = _round()
+                    with open(args.log, "a") as f:
+                        f.write(f"{time.time()!r} {state.epoch} {state.batch} {hvd.size()} {g}\n")
+                state.batch += 1
+                if state.batch % args.commit_every == 0:
+                    state.commit()
+            state.epoch += 1
+            state.batch = 0
+            state.commit()
+
+    train(state)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        r = hvd.rank()
+        np.save(os.path.join(args.out, f"rank.{r}.npy"), state.w)
+        with open(os.path.join(args.out, f"rank.{r}.json"), "w") as f:
+            json.dump({"epoch": state.epoch, "batch": state.batch, "size": hvd.size()}, f)
+    print(f"done: rank {hvd.rank()} of {hvd.size()}, resets {resets}", flush=True)
+    hvd.shutdown()
+
+
+def _round() -> int:
+    from horovod.core import membership
+
+    return membership.last_round() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
