@@ -133,6 +133,9 @@ class ObjectState(State):
         self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
 
     def restore(self) -> None:
+        self._apply_saved()
+
+    def _apply_saved(self) -> None:
         for k, v in self._saved_state.items():
             setattr(self, k, copy.deepcopy(v))
 
@@ -145,4 +148,4 @@ class ObjectState(State):
             self._saved_state = self._bcast_object(
                 self._saved_state, root_rank=root, name="elastic.object_state"
             )
-            self.restore()
+            self._apply_saved()  # (a subclass's restore would roll back what it synced)

@@ -34,7 +34,6 @@ from horovod.rendezvous import elastic as protocol
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.discovery import DiscoveryError
 from horovod.runner.elastic.membership import HostBook, change, host_of, seats
-from horovod.runner.hosts import HostInfo
 from horovod.runner.procs import Command, OutputSink, Worker, exit_description, spawn, stop_workers
 
 POLL_S = 0.02
@@ -48,10 +47,6 @@ class Failure:
     what: str
     when: float
     tail: list[str]
-
-
-class ElasticError(RuntimeError):
-    pass
 
 
 class ElasticDriver:
@@ -95,7 +90,8 @@ class ElasticDriver:
         self.generation = -1
         self.members: dict[str, protocol.Seat] = {}
         self.update_id = 0
-        self.usable: list[HostInfo] = []
+        self.wanted: dict[str, protocol.Seat] = {}  # the next round, as things stand
+        self.announced: set[str] = set()  # the membership the last host update announced
         self.broken_at: float | None = None
         self.forming_since: float | None = None
         self.resets = 0
@@ -125,23 +121,35 @@ class ElasticDriver:
             found, self._discovered = self._discovered, None
         if found is not None:
             self.book.update(found)
-        usable = self.book.usable()
-        flags = change(self.usable, usable)
-        self.usable = usable
-        if flags and self.generation >= 0 and self.finished_by is None:
+        self._plan_next()
+        if self.generation < 0 or self.finished_by is not None:
+            return
+        flags = change(self.members, self.wanted)
+        if flags and set(self.wanted) != self.announced:
+            self.announced = set(self.wanted)
             self.update_id += 1
             self.server.put(protocol.SCOPE, "update", protocol.encode_update(self.update_id, flags))
             self._say(
-                f"hosts changed ({'added' if flags & protocol.ADDED else ''}"
-                f"{' and ' if flags == protocol.MIXED else ''}"
-                f"{'removed' if flags & protocol.REMOVED else ''}): "
-                f"{', '.join(f'{h.hostname}:{h.slots}' for h in usable) or 'none usable'}"
+                "hosts changed: the next round would be "
+                + (", ".join(self._hosts_text(self.wanted)) or "empty")
             )
+
+    def _plan_next(self) -> None:
+        self.wanted = seats(self.book.plan(self._alive_members()), self.max_np)
+
+    def _alive_members(self) -> list[str]:
+        return [s for s in self.members if s in self.workers and not self.workers[s].stopped_by_us]
+
+    @staticmethod
+    def _hosts_text(slots: dict[str, protocol.Seat]) -> list[str]:
+        count: dict[str, int] = {}
+        for s in slots:
+            count[host_of(s)] = count.get(host_of(s), 0) + 1
+        return [f"{h}:{n}" for h, n in count.items()]
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         self.book.update(self.discovery.find())  # type: ignore[attr-defined]
-        self.usable = self.book.usable()
         discover = threading.Thread(target=self._discover_loop, name="discovery", daemon=True)
         discover.start()
         try:
@@ -252,7 +260,8 @@ class ElasticDriver:
         if self.forming_since is None:
             self.forming_since = now
         target = self.generation + 1
-        wanted = seats(self.usable, self.max_np)
+        self._plan_next()
+        wanted = self.wanted
         need = self.np if self.generation < 0 else self.min_np
         if len(wanted) < need:
             if self.book.all_blacklisted_for_good() and not self._may_grow():
@@ -319,15 +328,13 @@ class ElasticDriver:
         if self.broken_at is not None:
             self.round_times.append((self.broken_at, now))
         self.generation, self.members = target, wanted
+        self.announced = set(wanted)
         self.broken_at = self.forming_since = None
         for slot, seat in wanted.items():
             w = self.workers[slot]
             w.rank = seat.rank
             self.started.pop(id(w), None)
-        self._say(
-            f"round {target}: {len(wanted)} workers on "
-            + ", ".join(dict.fromkeys(host_of(s) for s in wanted))
-        )
+        self._say(f"round {target}: {len(wanted)} workers on {', '.join(self._hosts_text(wanted))}")
 
     def _may_grow(self) -> bool:
         return self.book.next_resurrection() is not None

@@ -6,8 +6,10 @@ blacklist: a host where a worker failed is not used again; with a cooldown range
 after ``clamp(MIN * 2**n + U(0, 1) * MIN, MIN, MAX)`` seconds on its n-th blacklisting (as
 upstream), which counts as a host being added.
 
-``seats`` fills the usable hosts in that order, slot by slot, up to ``max_np`` workers; a slot
-keeps its index on its host as its local rank.
+A blacklisted host gets no new workers, but the workers that survive on it keep their seats: a
+failed process says little about its host, and its neighbours hold the training state.
+
+``seats`` fills the planned slots in host order, up to ``max_np`` workers.
 
 Must not touch: processes (it decides; the driver acts).
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from horovod.rendezvous.elastic import ADDED, NO_UPDATE, REMOVED, Seat, slot_id
@@ -39,6 +41,27 @@ class HostBook:
     rng: random.Random = field(default_factory=random.Random)
     order: list[str] = field(default_factory=list)
     records: dict[str, HostRecord] = field(default_factory=dict)
+
+    def plan(self, alive: Iterable[str]) -> list[tuple[str, list[int]]]:
+        """(host, slot indices) to fill, in order: every slot of a usable host, and the
+        slots of ``alive`` (slots with a live worker) on a blacklisted one."""
+        usable = {h.hostname for h in self.usable()}
+        alive_on: dict[str, list[int]] = {}
+        for slot in alive:
+            name, index = slot.rsplit(":", 1)
+            alive_on.setdefault(name, []).append(int(index))
+        out = []
+        for name in self.order:
+            r = self.records[name]
+            if not r.discovered:
+                continue
+            if name in usable:
+                indices = list(range(r.slots))
+            else:
+                indices = sorted(i for i in alive_on.get(name, []) if i < r.slots)
+            if indices:
+                out.append((name, indices))
+        return out
 
     def usable(self) -> list[HostInfo]:
         now = self.clock()
@@ -100,37 +123,32 @@ class HostBook:
         return max(0.0, min(left)) if left else None
 
 
-def change(before: list[HostInfo], after: list[HostInfo]) -> int:
-    """REMOVED/ADDED flags between two usable-host lists (slots count)."""
-    old = {h.hostname: h.slots for h in before}
-    new = {h.hostname: h.slots for h in after}
-    flags = NO_UPDATE
-    for name in old.keys() | new.keys():
-        a, b = old.get(name, 0), new.get(name, 0)
-        if b < a:
-            flags |= REMOVED
-        elif b > a:
-            flags |= ADDED
-    return flags
+def change(before: Iterable[str], after: Iterable[str]) -> int:
+    """REMOVED/ADDED flags between two sets of slots."""
+    old, new = set(before), set(after)
+    return (REMOVED if old - new else NO_UPDATE) | (ADDED if new - old else NO_UPDATE)
 
 
-def seats(hosts: list[HostInfo], max_np: int | None) -> dict[str, Seat]:
-    """Rank assignment over ``hosts`` in order (slot -> seat), at most ``max_np`` workers."""
+def seats(plan: list[tuple[str, list[int]]], max_np: int | None) -> dict[str, Seat]:
+    """Rank assignment (slot -> seat) over ``plan``, (host, slot indices) in order, at most
+    ``max_np`` workers. A host's local ranks follow its slots' order."""
     placed: list[tuple[str, int]] = []
-    for h in hosts:
-        for lr in range(h.slots):
+    for name, indices in plan:
+        for index in indices:
             if max_np is not None and len(placed) >= max_np:
                 break
-            placed.append((h.hostname, lr))
+            placed.append((name, index))
     size = len(placed)
     local_size: dict[str, int] = {}
+    local_rank: list[int] = []
     for name, _ in placed:
-        local_size[name] = local_size.get(name, 0) + 1
+        local_rank.append(local_size.get(name, 0))
+        local_size[name] = local_rank[-1] + 1
     host_order = list(local_size)
     out = {}
-    for rank, (name, lr) in enumerate(placed):
+    for rank, ((name, index), lr) in enumerate(zip(placed, local_rank, strict=True)):
         with_lr = [x for x in host_order if local_size[x] > lr]
-        out[slot_id(name, lr)] = Seat(
+        out[slot_id(name, index)] = Seat(
             rank, size, lr, local_size[name], with_lr.index(name), len(with_lr)
         )
     return out
