@@ -195,6 +195,12 @@ class Config:
     elastic_worker_id: str = _knob(
         "HOROVOD_ELASTIC_WORKER_ID", "", "Elastic: this process's id (set by horovodrun)."
     )
+    elastic_discovery_seconds: float = _knob(
+        "HOROVOD_ELASTIC_DISCOVERY_SECONDS",
+        1.0,
+        "Elastic: how often horovodrun runs the host discovery script.",
+        minimum=0.01,
+    )
     elastic_poll_seconds: float = _knob(
         "HOROVOD_ELASTIC_POLL_SECONDS",
         1.0,

@@ -67,6 +67,7 @@ class ElasticDriver:
         grace: float,
         sink: OutputSink,
         verbose: bool = False,
+        discover_every: float = DISCOVER_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.discovery = discovery
@@ -80,6 +81,7 @@ class ElasticDriver:
         self.grace = grace
         self.sink = sink
         self.verbose = verbose
+        self.discover_every = discover_every
         self.clock = clock
         self.book = HostBook(cooldown, clock)
         self.exits: queue.SimpleQueue[Worker] = queue.SimpleQueue()
@@ -107,7 +109,7 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ discovery
     def _discover_loop(self) -> None:
-        while not self._stop.wait(DISCOVER_EVERY_S):
+        while not self._stop.wait(self.discover_every):
             try:
                 hosts = self.discovery.find()  # type: ignore[attr-defined]
             except DiscoveryError as e:  # only raised before the first success
@@ -263,6 +265,12 @@ class ElasticDriver:
         self._plan_next()
         wanted = self.wanted
         need = self.np if self.generation < 0 else self.min_np
+        if self.generation >= 0 and not any(s in self.members for s in wanted):
+            self.error = (
+                f"no worker of round {self.generation} is left to hand over the training "
+                "state (every one failed or was removed); the job cannot go on"
+            )
+            return
         if len(wanted) < need:
             if self.book.all_blacklisted_for_good() and not self._may_grow():
                 self.error = (
@@ -276,14 +284,6 @@ class ElasticDriver:
                     "(check the discovery script's output) or raise --elastic-timeout."
                 )
             return
-        if self.generation >= 0:
-            keep = [s for s in wanted if s in self.members and s in self.workers]
-            if not keep:
-                self.error = (
-                    f"no worker of round {self.generation} is left to hand over the training "
-                    "state (every one failed or was removed); the job cannot go on"
-                )
-                return
         # Members of the broken round that do not leave it in time are lost (frozen, stuck).
         if self.broken_at is not None and now - self.broken_at > self.leave_timeout:
             for slot in list(self.members):
@@ -393,13 +393,13 @@ class ElasticDriver:
                 f"horovodrun: the elastic job finished after {len(self.failures)} worker "
                 f"failure(s) and {self.resets} reset(s).",
             ]
-        if self.failures and self.error is not None:
+        if self.failures:
             lines.append("Worker failures, in order:")
             for f in self.failures:
                 when = time.strftime("%H:%M:%S", time.localtime(f.when))
                 lines.append(f"  {when} rank {f.rank} ({f.slot}) {f.what}")
             last = self.failures[-1]
-            if last.tail:
+            if last.tail and self.error is not None:
                 lines.append(f"Last lines of rank {last.rank} ({last.slot}):")
                 lines.extend(f"  {t}" for t in last.tail)
         return "\n".join(lines)

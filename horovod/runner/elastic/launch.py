@@ -64,6 +64,7 @@ def run_elastic(
         grace=grace,
         sink=OutputSink(a.prefix_output_with_timestamp, a.output_filename),
         verbose=a.verbose,
+        discover_every=setting("elastic_discovery_seconds", base),
     )
 
     def on_signal(signum: int, _frame: object) -> None:
