@@ -105,3 +105,33 @@ def test_torch_elastic_example_grows_then_loses_a_worker(tmp_path):
     for k in finals[0]:
         assert torch.equal(finals[0][k], finals[1][k]), k
     assert "rank 1 (localhost:1) was killed by signal SIGKILL" in out
+
+
+def test_keras_elastic_example_grows_then_loses_a_worker(tmp_path):
+    pytest.importorskip("tensorflow")
+    pytest.importorskip("sklearn")
+    import numpy as np
+
+    save = tmp_path / "weights"
+    rc, out = run_changing_job(
+        tmp_path,
+        [
+            sys.executable,
+            str(REPO / "examples" / "elastic" / "keras_elastic_digits.py"),
+            "--epochs=40",
+            f"--save={save}",
+        ],
+        [
+            ("round 0: 2 workers", "hosts:localhost:2\n127.0.0.1:1\n"),
+            (": 3 workers\n", "kill:localhost:1"),
+        ],
+    )
+    assert rc == 0, out[-5000:]
+    assert "round 1: 3 workers on localhost:2, 127.0.0.1:1" in out
+    assert "epoch 39: 2 workers" in out
+    assert "test accuracy" in out
+    finals = [np.load(f"{save}.rank{r}.npz") for r in range(2)]
+    assert len(finals[0].files) == 4
+    for k in finals[0].files:
+        assert np.array_equal(finals[0][k], finals[1][k]), k
+    assert "rank 1 (localhost:1) was killed by signal SIGKILL" in out

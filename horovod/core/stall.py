@@ -206,7 +206,9 @@ class StallInspector:
                 f"{self.stall_shutdown:g} was exceeded."
             )
             logger.error(text)
-            self.e.unresponsive = sorted({r for st in d.stalled for r in st.missing})
+            # Only ranks that did not even answer the stack request are unresponsive: the
+            # others are alive (e.g. waiting in a different collective, a deadlock).
+            self.e.unresponsive = silent
             try:
                 self.e.on_fatal_report(text)
             finally:

@@ -147,11 +147,12 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:300]
 
 
-def _reset() -> None:
+def reset() -> None:
+    """Leave the current round and join the next: ``shutdown(); init()`` for elastic jobs."""
     _leave_round()
     reinit(F.init)
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """``@hvd.elastic.run``: the retry loop with Horovod's own ``shutdown(); init()``."""
-    return run_fn(func, _reset)
+    return run_fn(func, reset)

@@ -36,6 +36,7 @@ from horovod.frontend import (
     stop_timeline,
 )
 from horovod.keras import callbacks
+from horovod.keras import elastic
 
 BACKEND = keras.backend.backend()
 
@@ -212,6 +213,7 @@ def load_model(
 
 
 __all__ = [
+    "elastic",
     "Adasum",
     "Average",
     "BACKEND",

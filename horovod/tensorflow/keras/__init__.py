@@ -34,6 +34,7 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from horovod.tensorflow.keras import callbacks
+from horovod.tensorflow.keras import elastic
 from horovod.tensorflow.mpi_ops import Average, Sum
 
 
@@ -244,6 +245,7 @@ def load_model(
 
 
 __all__ = [
+    "elastic",
     "Average",
     "Compression",
     "DistributedOptimizer",
