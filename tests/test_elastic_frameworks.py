@@ -21,7 +21,7 @@ from tests.conftest import REPO
 def _pid_of_slot(mark: str, slot: str) -> int | None:
     for q in psutil.process_iter(["environ"]):
         env = q.info.get("environ") or {}
-        if env.get("HOROVOD_TEST_MARK") == mark and env.get("HOROVOD_ELASTIC_SLOT") == slot:
+        if env.get("HVD_TEST_MARK") == mark and env.get("HOROVOD_ELASTIC_SLOT") == slot:
             return q.pid
     return None
 
@@ -38,7 +38,7 @@ def run_changing_job(tmp_path: Path, script: list[str], events: list[tuple[str, 
     env = dict(os.environ)
     env.update(
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        HOROVOD_TEST_MARK=str(tmp_path),
+        HVD_TEST_MARK=str(tmp_path),
         HOROVOD_ELASTIC_DISCOVERY_SECONDS="0.2",
         HOROVOD_ELASTIC_POLL_SECONDS="0.1",
         TF_CPP_MIN_LOG_LEVEL="2",

@@ -47,7 +47,10 @@ def reference_weights(epochs: int, batches: int, batch_size: int = 24) -> np.nda
     w = np.zeros(16)
     for _ in range(epochs):
         for b in range(batches):
-            xb, yb = x[b * batch_size : (b + 1) * batch_size], y[b * batch_size : (b + 1) * batch_size]
+            xb, yb = (
+                x[b * batch_size : (b + 1) * batch_size],
+                y[b * batch_size : (b + 1) * batch_size],
+            )
             w = w - 0.05 * (xb.T @ (xb @ w - yb)) / len(yb)
     return w
 
@@ -71,9 +74,9 @@ def run_job(
     env = dict(os.environ)
     env.update(
         PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        HOROVOD_TEST_FAULTS=json.dumps(faults or []),
-        HOROVOD_TEST_FAULT_DIR=str(tmp_path),
-        HOROVOD_TEST_MARK=str(tmp_path),
+        HVD_TEST_FAULTS=json.dumps(faults or []),
+        HVD_TEST_FAULT_DIR=str(tmp_path),
+        HVD_TEST_MARK=str(tmp_path),
         HOROVOD_ELASTIC_DISCOVERY_SECONDS="0.2",
         HOROVOD_ELASTIC_POLL_SECONDS="0.1",
     )
@@ -112,12 +115,16 @@ def run_job(
     left = [
         q.pid
         for q in psutil.process_iter(["environ"])
-        if (q.info.get("environ") or {}).get("HOROVOD_TEST_MARK") == str(tmp_path)
+        if (q.info.get("environ") or {}).get("HVD_TEST_MARK") == str(tmp_path)
     ]
     for pid in left:
         psutil.Process(pid).kill()
     assert not left, f"workers left running: {left}"
-    lines = [tuple(int(v) for v in ln.split()[1:]) for ln in log.read_text().splitlines()] if log.exists() else []
+    lines = (
+        [tuple(int(v) for v in ln.split()[1:]) for ln in log.read_text().splitlines()]
+        if log.exists()
+        else []
+    )
     ranks = sorted(out.glob("rank.*.npy")) if out.exists() else []
     return Job(
         p.returncode,
@@ -178,9 +185,7 @@ def test_exception_and_os_exit_each_lose_one_worker_and_survivors_keep_their_sea
         {"id": "r", "epoch": 0, "batch": 3, "rank": 1, "how": "raise"},
         {"id": "x", "epoch": 1, "batch": 5, "rank": 2, "how": "exit"},
     ]
-    job = run_job(
-        tmp_path, ["-np", "4", "--min-np", "2", "-H", TWO_HOSTS], faults=faults, epochs=2
-    )
+    job = run_job(tmp_path, ["-np", "4", "--min-np", "2", "-H", TWO_HOSTS], faults=faults, epochs=2)
     assert_trained_once(job, 2, 8, redo_at_most=2)
     assert sizes(job) == [4, 3, 2]
     assert "injected fault r" in job.err
@@ -287,7 +292,9 @@ def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):
 # ---------------------------------------------------------------------- the job ends
 def test_every_rank_failing_ends_the_job_with_a_clear_message(tmp_path):
     faults = [{"id": f"a{r}", "epoch": 0, "batch": 2, "rank": r, "how": "exit"} for r in range(3)]
-    job = run_job(tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1"], faults=faults)
+    job = run_job(
+        tmp_path, ["-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1"], faults=faults
+    )
     assert job.rc == 1
     assert "no worker of round 0 is left to hand over the training state" in job.err
     assert job.err.count("exited with code 1") >= 3
@@ -313,12 +320,16 @@ def test_fewer_than_min_np_survivors_time_out_instead_of_deadlocking(tmp_path):
         faults=[fault],
     )
     assert job.rc == 1
-    assert "Timed out after 2 s waiting for the minimum number of slots: 1 usable, 2 needed" in job.err
+    assert (
+        "Timed out after 2 s waiting for the minimum number of slots: 1 usable, 2 needed" in job.err
+    )
     assert job.seconds < 30
 
 
 def test_min_np_never_available_at_start(tmp_path):
-    job = run_job(tmp_path, ["-np", "3", "--min-np", "3", "-H", "localhost:2", "--elastic-timeout", "1"])
+    job = run_job(
+        tmp_path, ["-np", "3", "--min-np", "3", "-H", "localhost:2", "--elastic-timeout", "1"]
+    )
     assert job.rc == 1
     assert "2 usable, 3 needed" in job.err
 

@@ -234,7 +234,7 @@ def test_torch_state_handlers_save_restore_and_sync_from_newest():
                 for p in model.parameters():
                     p.add_(5.0)  # uncommitted work
             state.restore()
-            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
         state.sync()
         return (
             [p.detach().numpy().copy() for p in model.parameters()],
@@ -244,6 +244,6 @@ def test_torch_state_handlers_save_restore_and_sync_from_newest():
         )
 
     out = run_ranks(body, 2)
-    for a, b in zip(out[0][0], out[1][0]):
+    for a, b in zip(out[0][0], out[1][0], strict=False):
         np.testing.assert_array_equal(a, b)
     assert out[0][1:] == out[1][1:] == ([0, 1], {"epoch": 0, "processed_num": 4}, 1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import queue
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -128,6 +128,12 @@ class ObjectState(State):
         for k, v in kwargs.items():
             setattr(self, k, v)
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    if TYPE_CHECKING:  # attributes come from the keyword arguments
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def save(self) -> None:
         self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}

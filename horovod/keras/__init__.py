@@ -35,8 +35,7 @@ from horovod.frontend import (
     start_timeline,
     stop_timeline,
 )
-from horovod.keras import callbacks
-from horovod.keras import elastic
+from horovod.keras import callbacks, elastic
 
 BACKEND = keras.backend.backend()
 

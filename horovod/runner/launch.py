@@ -363,7 +363,7 @@ def main(
         return _error(
             "--mpi is not available in this build; the default (--gloo) engine needs no MPI"
         )
-    discovery = None
+    discovery: ScriptDiscovery | FixedHosts | None = None
     try:
         if a.host_discovery_script is not None:
             discovery = ScriptDiscovery(a.host_discovery_script, a.slots)

@@ -57,7 +57,9 @@ class TensorFlowState(ObjectState):
                 "TensorFlowState(session=...) is for TensorFlow 1 sessions, which this build "
                 "does not support; pass the variables of an eager (TF2) program"
             )
-        self.variables = list(variables if variables is not None else tf.compat.v1.global_variables())
+        self.variables = list(
+            variables if variables is not None else tf.compat.v1.global_variables()
+        )
         self._saved_values = [tf.identity(v) for v in self.variables]
         super().__init__(**kwargs)
 

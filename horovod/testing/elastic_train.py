@@ -3,10 +3,10 @@
 
 It trains a linear model on fixed synthetic data with ``horovod.numpy``: every batch is split
 over the current ranks, gradients are averaged, and the state (weights, epoch, batch) is
-committed every ``--commit-every`` batches. Faults come from ``HOROVOD_TEST_FAULTS``, a JSON
+committed every ``--commit-every`` batches. Faults come from ``HVD_TEST_FAULTS``, a JSON
 list of ``{"id", "epoch", "batch", "rank", "how"}`` (``how``: ``raise``, ``exit``
 (``os._exit(1)``), ``sigkill``, ``sigstop``), each fired once: the first worker to reach it
-claims a marker file in ``HOROVOD_TEST_FAULT_DIR``, writes the time there and fails.
+claims a marker file in ``HVD_TEST_FAULT_DIR``, writes the time there and fails.
 
 Rank 0 of each round appends one line per finished batch to ``--log``:
 ``<time> <epoch> <batch> <size> <round>``; every rank writes its final weights to
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 
 import numpy as np
@@ -30,8 +29,8 @@ import horovod.numpy as hvd
 
 
 def fault_here(epoch: int, batch: int) -> None:
-    faults = json.loads(os.environ.get("HOROVOD_TEST_FAULTS", "[]"))
-    where = os.environ.get("HOROVOD_TEST_FAULT_DIR", "")
+    faults = json.loads(os.environ.get("HVD_TEST_FAULTS", "[]"))
+    where = os.environ.get("HVD_TEST_FAULT_DIR", "")
     for f in faults:
         if (f["epoch"], f["batch"], f["rank"]) != (epoch, batch, hvd.rank()):
             continue
@@ -119,4 +118,4 @@ def _round() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -34,6 +34,7 @@ from horovod.rendezvous import elastic as protocol
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.discovery import DiscoveryError
 from horovod.runner.elastic.membership import HostBook, change, host_of, seats
+from horovod.runner.hosts import HostInfo
 from horovod.runner.procs import Command, OutputSink, Worker, exit_description, spawn, stop_workers
 
 POLL_S = 0.02
@@ -231,7 +232,9 @@ class ElasticDriver:
             self.server.put(protocol.SCOPE, f"suspect.{slot}", b"")
             for text in raw.decode().split():
                 target = by_rank.get(int(text))
-                w = self.workers.get(target) if target is not None else None
+                if target is None:
+                    continue
+                w = self.workers.get(target)
                 if w is not None and not w.stopped_by_us:
                     self._stop_failed(w, target, "made no progress (reported by its peers)")
 

@@ -55,7 +55,9 @@ def run_elastic(
         make_command=make_command,
         np=a.np,
         min_np=a.min_np,
-        max_np=a.max_np if a.max_np is not None else (a.np if a.host_discovery_script is None else None),
+        max_np=a.max_np
+        if a.max_np is not None
+        else (a.np if a.host_discovery_script is None else None),
         reset_limit=a.reset_limit,
         cooldown=None if cooldown is None else (cooldown[0], cooldown[1]),
         elastic_timeout=elastic_timeout,

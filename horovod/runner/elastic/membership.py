@@ -82,9 +82,7 @@ class HostBook:
 
     def all_blacklisted_for_good(self) -> bool:
         names = self.discovered()
-        return bool(names) and all(
-            self.records[n].blacklisted_until == float("inf") for n in names
-        )
+        return bool(names) and all(self.records[n].blacklisted_until == float("inf") for n in names)
 
     def update(self, hosts: list[HostInfo]) -> None:
         seen = {h.hostname for h in hosts}

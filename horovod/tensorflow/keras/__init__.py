@@ -33,8 +33,7 @@ from horovod.frontend import (
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
-from horovod.tensorflow.keras import callbacks
-from horovod.tensorflow.keras import elastic
+from horovod.tensorflow.keras import callbacks, elastic
 from horovod.tensorflow.mpi_ops import Average, Sum
 
 

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from horovod.elastic.state import ObjectState
+from horovod.frontend import rank
 from horovod.torch.elastic.sampler import ElasticSampler
 from horovod.torch.functions import (
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from horovod.frontend import rank
 
 
 class StateHandler:
@@ -125,6 +125,8 @@ def _handler_for(value: Any) -> StateHandler | None:
 class TorchState(ObjectState):
     """``TorchState(model, optimizer, epoch=0, batch=0)``: ``state.model``, ``state.epoch``...
     Assigning a handled attribute (``state.model = other``) replaces and saves it."""
+
+    _handlers: dict[str, StateHandler]
 
     def __init__(
         self,
