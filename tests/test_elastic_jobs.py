@@ -373,3 +373,10 @@ def test_discovery_script_failing_at_start(tmp_path, capsys):
 
     assert main(["--min-np", "1", "--host-discovery-script", "exit 7", "python", "x.py"]) == 2
     assert "failed: exit code 7" in capsys.readouterr().err
+
+
+def test_the_elastic_campaign_short_run():
+    """``python -m horovod.benchmarks.elastic`` (its figures are in docs/elastic.md)."""
+    from horovod.benchmarks.elastic import main
+
+    assert main(["--changes", "5", "--seed", "3", "--epochs", "6", "--batches", "40"]) == 0

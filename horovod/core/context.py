@@ -320,7 +320,9 @@ class Context:
         self._rendezvous_server = None
         if launch is not None and cfg.size > 1:
             self._rendezvous_server = self._serve_rendezvous(cfg, launch)
-        store, transport = self._connect(cfg, spec, scope, scheduled=launch is not None)
+        store, transport = self._connect(
+            cfg, spec, scope, scheduled=launch is not None, elastic_round=elastic_round
+        )
         self.store = store
         self.timeline: Timeline | None = None
         self.autotuner: Autotuner | None = None
@@ -427,7 +429,11 @@ class Context:
 
     @staticmethod
     def _connect(
-        cfg: Config, spec: RankSpec | None, scope: str, scheduled: bool = False
+        cfg: Config,
+        spec: RankSpec | None,
+        scope: str,
+        scheduled: bool = False,
+        elastic_round: membership.Round | None = None,
     ) -> tuple[Store, Transport]:
         if spec is not None:
             return spec.world.store, spec.world.transport(cfg.rank, int(scope[4:]))
@@ -451,6 +457,8 @@ class Context:
         # Under a scheduler rank 0 may start later than the others: retry for the start timeout.
         retries = 5 + int(cfg.start_timeout) if scheduled else 5
         store = HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, secret, retries=retries)
+        if elastic_round is not None:
+            store.abandon_if = membership.abandon_check(store, elastic_round.generation)
         advertise = (
             interface_address(cfg.iface)
             if cfg.iface

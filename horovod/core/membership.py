@@ -13,12 +13,12 @@ the driver's keys other than the protocol's.
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 from horovod.common.config import Config
 from horovod.common.exceptions import HorovodInternalError
 from horovod.rendezvous import elastic as protocol
-from horovod.rendezvous.store import HTTPStoreClient
+from horovod.rendezvous.store import HTTPStoreClient, Store
 
 Round = protocol.Round
 _last_round: int | None = None  # the round this process last joined (None: none yet)
@@ -71,6 +71,18 @@ def join(env: MutableMapping[str, str]) -> tuple[protocol.Round, str]:
     _last_round = rnd.generation
     env.update(rnd.seats[cfg.elastic_slot].env())
     return rnd, protocol.data_scope(rnd.generation)
+
+
+def abandon_check(store: Store, generation: int) -> Callable[[], str | None]:
+    """For ``Store.abandon_if``: the driver says the round ended while it was being set up
+    (a member died), so waiting for that member's keys is pointless."""
+
+    def check() -> str | None:
+        if store.get(protocol.SCOPE, f"broken.{generation}"):
+            return f"elastic round {generation} ended while its members were connecting"
+        return None
+
+    return check
 
 
 def last_round() -> int | None:

@@ -11,12 +11,13 @@ import threading
 import time
 import urllib.parse
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from horovod.common.exceptions import RendezvousError
 from horovod.common.secret import mac
 
 AUTH_HEADER = "X-Horovod-Auth"
+ABANDON_CHECK_S = 0.2
 
 
 def request_tag(key: bytes, method: str, path: str, body: bytes) -> str:
@@ -24,6 +25,10 @@ def request_tag(key: bytes, method: str, path: str, body: bytes) -> str:
 
 
 class Store(ABC):
+    # Consulted while ``wait`` waits: a reason to give up (e.g. the elastic round this
+    # rendezvous belongs to has ended because a member died), or None to keep waiting.
+    abandon_if: Callable[[], str | None] | None = None
+
     @abstractmethod
     def set(self, scope: str, key: str, value: bytes) -> None: ...
 
@@ -36,6 +41,7 @@ class Store(ABC):
         deadline = time.monotonic() + timeout
         found: dict[str, bytes] = {}
         delay = 0.002
+        next_check = time.monotonic() + ABANDON_CHECK_S
         while True:
             for k in keys:
                 if k not in found:
@@ -44,6 +50,11 @@ class Store(ABC):
                         found[k] = v
             if len(found) == len(keys):
                 return [found[k] for k in keys]
+            if self.abandon_if is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + ABANDON_CHECK_S
+                why = self.abandon_if()
+                if why:
+                    raise RendezvousError(f"gave up waiting in scope '{scope}': {why}")
             if time.monotonic() >= deadline:
                 missing = [k for k in keys if k not in found]
                 raise RendezvousError(

@@ -221,6 +221,8 @@ class ElasticDriver:
     def _break(self) -> None:
         if self.broken_at is None:
             self.broken_at = self.clock()
+            # Members still setting up the round's data plane stop waiting for the lost one.
+            self.server.put(protocol.SCOPE, f"broken.{self.generation}", b"1")
 
     def _read_suspects(self) -> None:
         """Ranks a worker reported as making no progress: stop them (they count as failed)."""
