@@ -350,3 +350,55 @@ def test_network_interfaces_named_explicitly(net, workdir):
     )
     assert r.returncode == 2 and "nosuch9" in r.stderr and "eth0" in r.stderr
     _nothing_left(marker)
+
+
+ELASTIC = """
+    import sys
+    sys.argv[1:] = {args!r}
+    from horovod.testing.elastic_train import main
+    main()
+"""
+
+
+def test_elastic_job_grows_onto_a_remote_host_and_survives_losing_a_worker_there(net, workdir):
+    """Elastic across hosts with real sshd: the job starts on hostA, hostB is discovered and
+    its new workers receive the state over the network, then one of them is SIGKILLed: the
+    others finish with identical weights."""
+    import numpy as np
+
+    hosts = workdir / "hosts"
+    hosts.write_text("hostA:2\n")
+    disc = workdir / "discover.sh"
+    disc.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    disc.chmod(0o755)
+    log, out = workdir / "log", workdir / "out"
+    args = ["--epochs=3", "--batches=30", "--step-seconds=0.03", f"--log={log}", f"--out={out}"]
+    fault = {"id": "b", "epoch": 2, "batch": 3, "rank": 3, "how": "sigkill"}
+    proc, marker = _horovodrun(
+        net,
+        ["-np", "2", "--min-np", "1", "--host-discovery-script", str(disc), "--verbose"],
+        ELASTIC.format(args=args),
+        workdir,
+        env={
+            "HVD_TEST_FAULTS": json.dumps([fault]),
+            "HVD_TEST_FAULT_DIR": str(workdir),
+            "HOROVOD_ELASTIC_DISCOVERY_SECONDS": "0.2",
+            "HOROVOD_ELASTIC_POLL_SECONDS": "0.1",
+        },
+        popen=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    hosts.write_text("hostA:2\nhostB:2\n")
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "round 1: 4 workers on hostA:2, hostB:2" in stderr, stderr[-5000:]
+    assert "rank 3 (hostB:1) was killed by signal SIGKILL" in stderr
+    sizes = [int(line.split()[3]) for line in log.read_text().splitlines()]
+    assert sizes[0] == 2 and 4 in sizes and sizes[-1] == 3
+    finals = [np.load(f) for f in sorted(out.glob("rank.*.npy"))]
+    assert len(finals) == 3
+    assert all(np.array_equal(w, finals[0]) for w in finals)
+    _nothing_left(marker)

@@ -408,10 +408,17 @@ def main(
             addr = ssh.launcher_address(remote, nics)
         except (OSError, ValueError) as e:
             return _error(f"cannot choose the address workers reach the launcher at: {e}")
+    elif a.host_discovery_script is not None:
+        # Hosts the script adds later may be other machines: every worker, local ones too,
+        # must use an address they can reach.
+        try:
+            addr = ssh.routable_address(nics)
+        except (OSError, ValueError) as e:
+            return _error(f"cannot choose the address workers reach the launcher at: {e}")
 
     secret = make_secret()
     server = RendezvousServer(
-        bytes.fromhex(secret), host="0.0.0.0" if remote else "127.0.0.1"
+        bytes.fromhex(secret), host="127.0.0.1" if addr == "127.0.0.1" else "0.0.0.0"
     ).start()
     for (scope, key), value in (seed or {}).items():
         server.put(scope, key, value)

@@ -146,6 +146,18 @@ def launcher_address(remote_hosts: Sequence[str], nics: Sequence[str]) -> str:
     return address_towards(resolve(remote_hosts[0]))
 
 
+def routable_address(nics: Sequence[str]) -> str:
+    """For jobs whose hosts are not known yet (elastic discovery): an address other hosts can
+    reach this machine at: the first of ``nics`` it has, else its first non-loopback IPv4
+    address, else the loopback address (a machine without a network)."""
+    if nics:
+        return launcher_address([], nics)
+    for addr in ipv4_addresses().values():
+        if not addr.startswith("127."):
+            return addr
+    return "127.0.0.1"
+
+
 def cwd() -> str:
     try:
         return os.getcwd()
