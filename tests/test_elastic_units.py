@@ -247,3 +247,36 @@ def test_torch_state_handlers_save_restore_and_sync_from_newest():
     for a, b in zip(out[0][0], out[1][0], strict=False):
         np.testing.assert_array_equal(a, b)
     assert out[0][1:] == out[1][1:] == ([0, 1], {"epoch": 0, "processed_num": 4}, 1)
+
+
+@pytest.mark.parametrize("frontend", ["horovod.tensorflow.keras", "horovod.keras"])
+def test_keras_state_saves_restores_and_syncs_model_and_optimizer(frontend):
+    pytest.importorskip("tensorflow")
+    import importlib
+
+    import tensorflow as tf
+
+    hk = importlib.import_module(frontend)
+    keras = tf.keras if frontend == "horovod.tensorflow.keras" else importlib.import_module("keras")
+
+    def body(rank):
+        model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        state = hk.elastic.KerasState(model, epoch=0)
+        if rank == 1:  # the survivor trained and committed; rank 0 is new (no optimizer slots)
+            model.train_on_batch(np.ones((4, 3), np.float32), np.zeros((4, 2), np.float32))
+            state.epoch = 2
+            state.commits += 1
+            state.save()
+            kept = [w.copy() for w in model.get_weights()]
+            model.set_weights([w + 1 for w in kept])  # uncommitted
+            state.restore()
+            assert all(np.array_equal(a, b) for a, b in zip(kept, model.get_weights(), strict=True))
+        state.sync()
+        slots = [np.array(v.numpy()) for v in model.optimizer.variables]
+        return model.get_weights(), slots, state.epoch
+
+    out = run_ranks(body, 2)
+    for a, b in zip(out[0][0] + out[0][1], out[1][0] + out[1][1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert out[0][2] == out[1][2] == 2

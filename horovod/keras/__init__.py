@@ -148,7 +148,11 @@ def broadcast_variables(variables: Any, root_rank: int, name: str | None = None)
     prefix = name or "broadcast_variables"
     handles = [
         F.broadcast_async(
-            _contiguous(keras.ops.convert_to_numpy(v)),
+            # (``numpy()``: converting the Variable object goes through an __array__ that
+            # NumPy 2 warns about)
+            _contiguous(
+                np.asarray(v.numpy()) if hasattr(v, "numpy") else keras.ops.convert_to_numpy(v)
+            ),
             root_rank,
             name=f"{prefix}.{i}.{v.path if hasattr(v, 'path') else v.name}",
         )
