@@ -23,6 +23,7 @@ import numpy as np
 import psutil
 import pytest
 
+from horovod.testing.elastic_train import reference_weights
 from tests.conftest import REPO
 
 TWO_HOSTS = "localhost:2,127.0.0.1:2"
@@ -37,22 +38,6 @@ class Job:
     weights: list[np.ndarray]
     counters: list[dict]
     seconds: float
-
-
-def reference_weights(epochs: int, batches: int, batch_size: int = 24) -> np.ndarray:
-    """What elastic_train computes without faults, as one process (full batches)."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batches * batch_size, 16))
-    y = x @ rng.standard_normal(16)
-    w = np.zeros(16)
-    for _ in range(epochs):
-        for b in range(batches):
-            xb, yb = (
-                x[b * batch_size : (b + 1) * batch_size],
-                y[b * batch_size : (b + 1) * batch_size],
-            )
-            w = w - 0.05 * (xb.T @ (xb @ w - yb)) / len(yb)
-    return w
 
 
 def run_job(

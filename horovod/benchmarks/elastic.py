@@ -37,19 +37,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from horovod.testing.elastic_train import reference_weights
+
 HOSTS = ["localhost", "127.0.0.1", socket.gethostname()]
-
-
-def reference(epochs: int, batches: int, batch_size: int = 24) -> np.ndarray:
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batches * batch_size, 16))
-    y = x @ rng.standard_normal(16)
-    w = np.zeros(16)
-    for _ in range(epochs):
-        for b in range(batches):
-            xb, yb = x[b * batch_size : (b + 1) * batch_size], y[b * batch_size : (b + 1) * batch_size]
-            w = w - 0.05 * (xb.T @ (xb @ w - yb)) / len(yb)
-    return w
 
 
 class Campaign:
@@ -190,7 +180,7 @@ class Campaign:
         finals = [np.load(f) for f in sorted(out.glob("rank.*.npy"))] if out.exists() else []
         identical = bool(finals) and all(np.array_equal(w, finals[0]) for w in finals)
         matches = bool(finals) and bool(
-            np.allclose(finals[0], reference(self.epochs, self.batches), rtol=1e-9, atol=0)
+            np.allclose(finals[0], reference_weights(self.epochs, self.batches), rtol=1e-9, atol=0)
         )
         counters = [json.loads(f.read_text()) for f in sorted(out.glob("rank.*.json"))]
         finished = bool(counters) and all(c["epoch"] == self.epochs for c in counters)

@@ -54,6 +54,29 @@ def fault_here(epoch: int, batch: int) -> None:
         time.sleep(3600)
 
 
+FEATURES = 16
+LEARNING_RATE = 0.05
+
+
+def data(batches: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The fixed synthetic data set: ``batches * batch_size`` rows."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batches * batch_size, FEATURES))
+    return x, x @ rng.standard_normal(FEATURES)
+
+
+def reference_weights(epochs: int, batches: int, batch_size: int = 24) -> np.ndarray:
+    """What the job computes without faults, in one process (whole batches): a faulty run that
+    skipped or repeated a batch differs from this by far more than rounding."""
+    x, y = data(batches, batch_size)
+    w = np.zeros(FEATURES)
+    for _ in range(epochs):
+        for b in range(batches):
+            xb, yb = x[b * batch_size : (b + 1) * batch_size], y[b * batch_size : (b + 1) * batch_size]
+            w = w - LEARNING_RATE * (xb.T @ (xb @ w - yb)) / len(yb)
+    return w
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=3)
@@ -66,12 +89,8 @@ def main() -> None:
     args = p.parse_args()
 
     hvd.init()
-    rng = np.random.default_rng(0)
-    features = 16
-    x = rng.standard_normal((args.batches * args.batch_size, features))
-    true_w = rng.standard_normal(features)
-    y = x @ true_w
-    state = hvd.elastic.ObjectState(w=np.zeros(features), epoch=0, batch=0)
+    x, y = data(args.batches, args.batch_size)
+    state = hvd.elastic.ObjectState(w=np.zeros(FEATURES), epoch=0, batch=0)
     resets = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
@@ -86,7 +105,7 @@ def main() -> None:
                 err = xb[mine] @ state.w - yb[mine]
                 grad = hvd.allreduce(xb[mine].T @ err, op=hvd.Sum, name="grad")
                 count = hvd.allreduce(np.array([len(err)], np.float64), op=hvd.Sum, name="n")
-                state.w = state.w - 0.05 * grad / count[0]
+                state.w = state.w - LEARNING_RATE * grad / count[0]
                 if args.step_seconds:
                     time.sleep(args.step_seconds)
                 if hvd.rank() == 0 and args.log:
