@@ -9,6 +9,8 @@ import re
 import socket
 from dataclasses import dataclass
 
+from horovod.rendezvous.elastic import Seat
+
 _HOST_RE = re.compile(r"^[\w.-]+:[0-9]+$")
 
 
@@ -29,15 +31,15 @@ class SlotInfo:
     cross_size: int
 
     def env(self) -> dict[str, str]:
-        return {
-            "HOROVOD_HOSTNAME": self.hostname,
-            "HOROVOD_RANK": str(self.rank),
-            "HOROVOD_SIZE": str(self.size),
-            "HOROVOD_LOCAL_RANK": str(self.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(self.local_size),
-            "HOROVOD_CROSS_RANK": str(self.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(self.cross_size),
-        }
+        seat = Seat(
+            self.rank,
+            self.size,
+            self.local_rank,
+            self.local_size,
+            self.cross_rank,
+            self.cross_size,
+        )
+        return {"HOROVOD_HOSTNAME": self.hostname, **seat.env()}
 
 
 def parse_hosts(text: str) -> list[HostInfo]:

@@ -103,7 +103,6 @@ class ElasticDriver:
         self.error: str | None = None
         self.interrupted: str | None = None
         self.all_workers: list[Worker] = []
-        self.round_times: list[tuple[float, float]] = []  # (broken at, next round published)
         self._discovered: list[HostInfo] | None = None
         self._discover_lock = threading.Lock()
         self._stop = threading.Event()
@@ -330,8 +329,6 @@ class ElasticDriver:
                 return
         rnd = protocol.Round(target, wanted, self.update_id)
         protocol.publish_round(self.server, rnd)
-        if self.broken_at is not None:
-            self.round_times.append((self.broken_at, now))
         self.generation, self.members = target, wanted
         self.announced = set(wanted)
         self.broken_at = self.forming_since = None

@@ -48,9 +48,11 @@ class StateHandler:
         self.save()
 
 
-class ModelStateHandler(StateHandler):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+class StateDictHandler(StateHandler):
+    """A value with ``state_dict()``/``load_state_dict()``: saves a deep copy of its state."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(value)
         self.save()
 
     def save(self) -> None:
@@ -59,36 +61,18 @@ class ModelStateHandler(StateHandler):
     def restore(self) -> None:
         self.value.load_state_dict(self._saved)
 
+
+class ModelStateHandler(StateDictHandler):
     def sync(self, root_rank: int) -> None:
         broadcast_parameters(self.value.state_dict(), root_rank=root_rank)
 
 
-class OptimizerStateHandler(StateHandler):
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class OptimizerStateHandler(StateDictHandler):
     def sync(self, root_rank: int) -> None:
         broadcast_optimizer_state(self.value, root_rank=root_rank)
 
 
-class SamplerStateHandler(StateHandler):
-    def __init__(self, sampler: ElasticSampler) -> None:
-        super().__init__(sampler)
-        self.save()
-
-    def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
-
-    def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
-
+class SamplerStateHandler(StateDictHandler):
     def sync(self, root_rank: int) -> None:
         state = broadcast_object(
             self.value.state_dict(), root_rank=root_rank, name="elastic.sampler"
