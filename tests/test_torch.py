@@ -1088,15 +1088,21 @@ def test_training_benchmark_and_synthetic_example_run():
         timeout=300,
     )
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "| convnet |" in r.stdout and "x |" in r.stdout
     assert "2 plain procs at once (no comm.)" in r.stdout
     assert "2 plain procs in lockstep" in r.stdout and "lockstep eff. (vs plain)" in r.stdout
     row = next(line for line in r.stdout.splitlines() if line.startswith("| convnet |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert len(cells) == 13, row
     assert float(cells[3]) > 0 and cells[9].endswith("%"), row  # the lockstep reference
+    assert float(cells[4]) > 0 and float(cells[5]) > 0, row  # horovod.torch at 1 and 2 ranks
     paired = [line for line in r.stdout.splitlines() if line.startswith("| convnet | 1 |")]
-    assert len(paired) == 1 and paired[0].count("%") == 9 and paired[0].count("x (") == 2
+    assert len(paired) == 1
+    # The DDP peer (torchrun) sometimes aborts at exit on CI ("terminate called without an
+    # active exception"): it is then listed as failed and its cells say so; ours never are.
+    if "- convnet, ddp at" in r.stdout:
+        assert "failed" in row and "failed" in paired[0], r.stdout
+    else:
+        assert row.endswith("x |") and paired[0].count("%") == 9 and paired[0].count("x (") == 2
     r = horovodrun_example(
         2,
         "pytorch_synthetic_benchmark.py",

@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             peers.append(peer)
     runs: dict[str, list[dict]] = {peer: [] for peer in peers}
+    failures: list[str] = []
     for rep in range(a.repeats):
         # One pass over every peer, then the next: interleaved. Every other pass runs them in
         # the reverse order, so that no peer is always first after a pause (measured: an A/A
@@ -335,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring {peer} (pass {rep + 1} of {a.repeats}) ...", flush=True)
             try:
                 runs[peer].append(run_peer(peer, a.np, sizes, a.budget))
-            except RuntimeError as e:
-                print(f"{peer} failed: {e}")
+            except launch.LaunchFailed as e:  # recorded for this pass; the others go on
+                print(f"{peer} failed in pass {rep + 1}: {e}")
+                failures.append(f"{peer}, pass {rep + 1}: {e.summary()}")
                 if peer == "ours":
                     return 1
-                del runs[peer]
-    results = {peer: best_of(r) for peer, r in runs.items()}
+    results = {peer: best_of(r) for peer, r in runs.items() if r}
     memcpy = {nbytes: memcpy_seconds(nbytes, a.budget) for nbytes in sizes}
     cpus = os.cpu_count() or 1
     over = f", {a.np} ranks on {cpus} CPUs: oversubscribed" if a.np > cpus else ""
@@ -349,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         f"best of {a.repeats} interleaved pass(es) per figure"
     )
     print(table(results, sizes, a.np, memcpy))
+    if failures:
+        print("\nRuns that failed (the figures above come from the passes that worked):")
+        print("\n".join(f"- {line}" for line in failures))
     return 0
 
 

@@ -6,9 +6,12 @@ Must not touch: the runtime (it only starts processes under each framework's lau
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+
+DEFAULT_TIMEOUT_S = 900.0  # a benchmark run (one configuration, one pass) longer than this hung
 
 
 def baseline_env(checkout: str) -> dict[str, str]:
@@ -98,17 +101,67 @@ def command(
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
+class LaunchFailed(RuntimeError):
+    """A benchmark run that crashed (``returncode``) or hung (``hung``, killed after its
+    timeout); ``tail``: the last lines it wrote to stderr. The benchmarks record it against that
+    configuration and pass, and go on with the others."""
+
+    def __init__(self, what: str, returncode: int | None, tail: str, hung: bool = False):
+        self.what, self.returncode, self.tail, self.hung = what, returncode, tail, hung
+        status = "hung (killed after its timeout)" if hung else f"exited with {returncode}"
+        super().__init__(f"{what} {status}:\n{tail}")
+
+    def summary(self) -> str:
+        """One line: how it failed and the last line it printed."""
+        last = next((x for x in reversed(self.tail.splitlines()) if x.strip()), "")
+        status = "hung" if self.hung else f"exit status {self.returncode}"
+        return f"{status}: {last.strip()[:200]}"
+
+
+def run_process(cmd: list[str], env: dict, timeout: float | None) -> tuple[int | None, str]:
+    """Run ``cmd`` in a session of its own; (exit status, the end of stderr). A run past
+    ``timeout`` seconds has its whole process group killed (a launcher's workers too) and gives
+    None as its status."""
+    p = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    try:
+        _, err = p.communicate(timeout=timeout)
+        return p.returncode, err[-3000:]
+    except subprocess.TimeoutExpired:
+        return None, _kill_group(p)[-3000:]
+    finally:
+        if p.poll() is None:
+            _kill_group(p)
+
+
+def _kill_group(p: subprocess.Popen) -> str:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return p.communicate()[1] or ""
+
+
 def run(
-    launcher: str, np_: int, module_args: list[str], extra_env: dict[str, str] | None = None
+    launcher: str,
+    np_: int,
+    module_args: list[str],
+    extra_env: dict[str, str] | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
 ) -> None:
     """Run to completion; one retry (torchrun's port can be taken between pick and bind);
-    RuntimeError with the end of stderr if it fails twice."""
+    LaunchFailed with the end of stderr if it fails (or hangs past ``timeout``) twice."""
     for attempt in range(2):
         cmd, env = command(launcher, np_, module_args, extra_env)
-        r = subprocess.run(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        if r.returncode == 0:
+        status, tail = run_process(cmd, env, timeout)
+        if status == 0:
             return
         if attempt == 1:
-            raise RuntimeError(f"{launcher} with {np_} ranks failed:\n{r.stderr[-3000:]}")
+            raise LaunchFailed(f"{launcher} with {np_} ranks", status, tail, hung=status is None)

@@ -26,6 +26,8 @@ import time
 
 from horovod.benchmarks import launch
 
+Config = tuple[str, int]  # (kind, ranks)
+
 
 def _model(name: str):  # type: ignore[no-untyped-def]
     import tensorflow as tf
@@ -125,17 +127,21 @@ def _run_mwms(np_: int, args: list[str]) -> None:
                 text=True,
             )
         )
-    errs = []
+    errs, status, hung = [], 0, False
     for p in procs:
         try:
-            _, err = p.communicate(timeout=600)
+            _, err = p.communicate(timeout=launch.DEFAULT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             p.kill()
             _, err = p.communicate()
+            hung = True
         if p.returncode:
             errs.append(err[-2000:])
+            status = status or p.returncode
     if errs:
-        raise RuntimeError("MultiWorkerMirroredStrategy workers failed:\n" + "\n".join(errs))
+        raise launch.LaunchFailed(
+            "MultiWorkerMirroredStrategy workers", status, "\n".join(errs), hung
+        )
 
 
 def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
@@ -177,20 +183,35 @@ def main(argv: list[str] | None = None) -> int:
         "| horovod/MWMS at 2 |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    failures: list[tuple[str, Config, launch.LaunchFailed]] = []
     for model in a.models.split(","):
-        r = {}
+        r: dict[tuple[str, int], float | None] = {}
         for kind, np_ in (("plain", 1), ("horovod", 1), ("horovod", 2), ("mwms", 2)):
-            r[(kind, np_)] = max(
-                run(kind, np_, model, a.steps, a.warmup, a.batch_size) for _ in range(a.repeats)
-            )
-        plain = r[("plain", 1)]
+            values = []
+            for _ in range(a.repeats):
+                try:
+                    values.append(run(kind, np_, model, a.steps, a.warmup, a.batch_size))
+                except launch.LaunchFailed as e:  # recorded; the other runs go on
+                    failures.append((model, (kind, np_), e))
+                    print(e, file=sys.stderr, flush=True)
+            r[(kind, np_)] = max(values) if values else None
+
+        def cell(num: Config, den: Config | None = None, fmt: str = "{:.0f}", k: int = 1) -> str:
+            top, bottom = r[num], (r[den] if den else 1.0)
+            return "failed" if top is None or bottom is None else fmt.format(top / (k * bottom))
+
+        plain, h1, h2, mwms = ("plain", 1), ("horovod", 1), ("horovod", 2), ("mwms", 2)
         print(
-            f"| {model} | {plain:.0f} | {r[('horovod', 1)]:.0f} | {r[('horovod', 2)]:.0f} | "
-            f"{r[('mwms', 2)]:.0f} | {r[('horovod', 2)] / (2 * plain):.0%} | "
-            f"{r[('mwms', 2)] / (2 * plain):.0%} | {r[('horovod', 2)] / r[('mwms', 2)]:.2f}x |",
+            f"| {model} | {cell(plain)} | {cell(h1)} | {cell(h2)} | {cell(mwms)} | "
+            f"{cell(h2, plain, '{:.0%}', 2)} | {cell(mwms, plain, '{:.0%}', 2)} | "
+            f"{cell(h2, mwms, '{:.2f}x')} |",
             flush=True,
         )
-    return 0
+    if failures:
+        print("\nRuns that failed (the others went on):\n")
+        for model, (kind, np_), failure in failures:
+            print(f"- {model}, {kind} at {np_} rank(s): {failure.summary()}")
+    return 1 if any(kind == "horovod" for _, (kind, _), _ in failures) else 0
 
 
 if __name__ == "__main__":

@@ -162,11 +162,14 @@ def _run_independent(np_: int, model: str, steps: int, warmup: int, batch: int) 
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             )
-        errs = [p.communicate()[1] for p in procs]
+        try:
+            errs = [p.communicate(timeout=launch.DEFAULT_TIMEOUT_S)[1] for p in procs]
+        except subprocess.TimeoutExpired:
+            raise launch.LaunchFailed("a plain process", None, "", hung=True) from None
         for p, err in zip(procs, errs, strict=True):
             if p.returncode != 0:
                 tail = err.decode(errors="replace")[-3000:]
-                raise RuntimeError(f"a plain process exited with {p.returncode}:\n{tail}")
+                raise launch.LaunchFailed("a plain process", p.returncode, tail)
         total = 0.0
         for out in outs:
             with open(out) as f:
@@ -210,47 +213,100 @@ PAIRED = (
 )
 
 
-def paired(passes: list[dict[tuple[str, int], float]], hvd: str = "horovod") -> list[str]:
+Figures = dict[tuple[str, int], "float | None"]  # samples/s per (kind, ranks); None: failed
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a / b
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    return "failed" if value is None else fmt.format(value)
+
+
+def paired(passes: list[Figures], hvd: str = "horovod") -> list[str]:
     """The ratios of ``PAIRED``, each computed from the figures of one pass, as "median
     (lowest-highest)" over the passes. Taking each configuration's best pass (the main table)
     may pair one configuration's lucky moment with another's unlucky one on a shared
     machine; a ratio within a pass compares runs made moments apart. ``hvd``: the
-    configuration standing for horovod.torch ("base": the baseline checkout's)."""
+    configuration standing for horovod.torch ("base": the baseline checkout's). A pass where
+    a run failed gives no ratio that needs it ("failed" where no pass gave one)."""
 
-    def ratios(p: dict[tuple[str, int], float]) -> list[float]:
-        plain2 = 2 * p[("plain", 1)]
+    def ratios(p: Figures) -> list[float | None]:
+        plain = p[("plain", 1)]
+        plain2 = None if plain is None else 2 * plain
         return [
-            p[("lockstep", 2)] / plain2,
-            p[(hvd, 2)] / plain2,
-            p[("ddp", 2)] / plain2,
-            p[(hvd, 2)] / p[("lockstep", 2)],
-            p[(hvd, 2)] / p[("ddp", 2)],
+            _ratio(p[("lockstep", 2)], plain2),
+            _ratio(p[(hvd, 2)], plain2),
+            _ratio(p[("ddp", 2)], plain2),
+            _ratio(p[(hvd, 2)], p[("lockstep", 2)]),
+            _ratio(p[(hvd, 2)], p[("ddp", 2)]),
         ]
 
     columns = list(zip(*map(ratios, passes), strict=True))
     cells = []
-    for name, values in zip(PAIRED, columns, strict=True):
+    for name, column in zip(PAIRED, columns, strict=True):
         fmt = "{:.2f}x" if name.endswith("at 2") else "{:.0%}"
+        values = [v for v in column if v is not None]
+        if not values:
+            cells.append("failed")
+            continue
         mid, lo, hi = statistics.median(values), min(values), max(values)
         cells.append(f"{fmt.format(mid)} ({fmt.format(lo)}-{fmt.format(hi)})")
     return cells
 
 
-def row(label: str, r: dict[tuple[str, int], float], hvd: str = "horovod") -> str:
+def row(label: str, r: Figures, hvd: str = "horovod") -> str:
     """One line of the main table from the best figures ``r``; ``hvd``: the configuration
-    standing for horovod.torch ("base": the baseline checkout's)."""
+    standing for horovod.torch ("base": the baseline checkout's); "failed" where a figure
+    (or one a ratio needs) failed in every pass."""
     plain = r[("plain", 1)]
+    plain2 = None if plain is None else 2 * plain
 
     def eff(kind: str) -> str:
-        return f"{r[(kind, 2)] / (2 * r[(kind, 1)]):.0%} / {r[(kind, 2)] / (2 * plain):.0%}"
+        one = r[(kind, 1)]
+        return (
+            f"{_cell(_ratio(r[(kind, 2)], None if one is None else 2 * one), '{:.0%}')} / "
+            f"{_cell(_ratio(r[(kind, 2)], plain2), '{:.0%}')}"
+        )
 
-    return (
-        f"| {label} | {plain:.0f} | {r[('plain', 2)]:.0f} | {r[('lockstep', 2)]:.0f} | "
-        f"{r[(hvd, 1)]:.0f} | {r[(hvd, 2)]:.0f} | {r[('ddp', 1)]:.0f} | "
-        f"{r[('ddp', 2)]:.0f} | {r[('plain', 2)] / (2 * plain):.0%} | "
-        f"{r[('lockstep', 2)] / (2 * plain):.0%} | {eff(hvd)} | {eff('ddp')} | "
-        f"{r[(hvd, 2)] / r[('ddp', 2)]:.2f}x |"
-    )
+    cells = [_cell(r[c], "{:.0f}") for c in [("plain", 1), ("plain", 2), ("lockstep", 2)]]
+    cells += [_cell(r[c], "{:.0f}") for c in [(hvd, 1), (hvd, 2), ("ddp", 1), ("ddp", 2)]]
+    cells += [
+        _cell(_ratio(r[("plain", 2)], plain2), "{:.0%}"),
+        _cell(_ratio(r[("lockstep", 2)], plain2), "{:.0%}"),
+        eff(hvd),
+        eff("ddp"),
+        _cell(_ratio(r[(hvd, 2)], r[("ddp", 2)]), "{:.2f}x"),
+    ]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+OURS = {"lockstep", "horovod"}  # this code's runs: one failing fails the benchmark
+
+
+Failure = tuple[str, str, int, launch.LaunchFailed]  # model, kind, ranks, what happened
+
+
+def measure_pass(
+    model: str, configs: list[tuple[str, int]], a: argparse.Namespace, failures: list[Failure]
+) -> Figures:
+    """One pass over ``configs``: samples/s of each, None for a run that crashed or hung
+    (added to ``failures``; its whole stderr tail goes to stderr at once)."""
+    figures: Figures = {}
+    for kind, np_ in configs:
+        try:
+            figures[(kind, np_)] = run(kind, np_, model, a.steps, a.warmup, a.batch_size)
+        except launch.LaunchFailed as e:
+            figures[(kind, np_)] = None
+            failures.append((model, kind, np_, e))
+            print(f"{model}, {kind} at {np_} rank(s): {e}", file=sys.stderr, flush=True)
+    return figures
+
+
+def best(passes: list[Figures], config: tuple[str, int]) -> float | None:
+    values = [v for p in passes if (v := p[config]) is not None]
+    return max(values) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     paired_rows: list[str] = []
     versus_base: list[str] = []
+    failures: list[Failure] = []
     for model in a.models.split(","):
         configs = [
             ("plain", 1),
@@ -313,12 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if BASELINE:
             configs += [("base", 1), ("base", 2)]
         # Passes over every configuration (a slow phase hits all); each one's best pass.
-        passes = [
-            {(kind, np_): run(kind, np_, model, a.steps, a.warmup, a.batch_size)
-             for kind, np_ in configs}
-            for _ in range(a.repeats)
-        ]  # fmt: skip
-        r = {c: max(p[c] for p in passes) for c in configs}
+        passes = [measure_pass(model, configs, a, failures) for _ in range(a.repeats)]
+        r = {c: best(passes, c) for c in configs}
         for hvd, label in [("horovod", model)] + (
             [("base", f"{model} (baseline)")] if BASELINE else []
         ):
@@ -327,11 +380,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(row(label, r, hvd), flush=True)
         if BASELINE:
-            ab = [p[("horovod", 2)] / p[("base", 2)] for p in passes]
-            versus_base.append(
-                f"| {model} | {r[('horovod', 2)] / r[('base', 2)]:.3f}x | "
-                f"{statistics.median(ab):.3f}x ({min(ab):.3f}x-{max(ab):.3f}x) |"
+            ab = [v for p in passes if (v := _ratio(p[("horovod", 2)], p[("base", 2)]))]
+            within = (
+                f"{statistics.median(ab):.3f}x ({min(ab):.3f}x-{max(ab):.3f}x)" if ab else "failed"
             )
+            best_ratio = _cell(_ratio(r[("horovod", 2)], r[("base", 2)]), "{:.3f}x")
+            versus_base.append(f"| {model} | {best_ratio} | {within} |")
     print(
         "\nPaired within each pass (the configurations of one pass ran within a minute or two "
         "of each other), median over the passes (lowest-highest):\n"
@@ -346,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|")
         for line in versus_base:
             print(line)
-    return 0
+    if failures:
+        print("\nRuns that failed (recorded as failed for their pass; the others went on):\n")
+        for model, kind, np_, e in failures:
+            print(f"- {model}, {kind} at {np_} rank(s): {e.summary()}")
+    return 1 if any(kind in OURS for _, kind, _, _ in failures) else 0
 
 
 if __name__ == "__main__":
