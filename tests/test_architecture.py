@@ -244,3 +244,13 @@ def test_the_private_name_check_catches(source, expect):
 
 def test_the_cycle_check_catches_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_readme_runs_the_suite_ci_runs():
+    """A newcomer's test command (README) and CI's install the same things (.ci/setup) and run
+    the same pytest: otherwise tests CI runs skip on a newcomer's machine, or the reverse."""
+    readme = (ROOT.parent / "README.md").read_text()
+    ci = (ROOT.parent / ".ci" / "run").read_text()
+    assert "bash .ci/setup && . .venv/bin/activate && python -m pytest -q\n" in readme
+    assert "\nbash .ci/setup\n" in ci and "\npython -m pytest -q" in ci
+    assert "pip install" not in ci, "installs belong in .ci/setup, which the README runs too"

