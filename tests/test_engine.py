@@ -260,6 +260,42 @@ def test_allgather_with_joined_rank_is_an_error():
     assert run_ranks(body, 2) == [1, 1]
 
 
+@pytest.mark.parametrize("n", [3, 5])
+def test_join_rounds_back_to_back_with_every_collective(n):
+    """Each rank in turn joins while the others run every collective, unnamed as user code
+    does: allgather, broadcast, alltoall and reducescatter raise at once (a rank that joined
+    earlier has other auto-names, so waiting for matching names could wait forever), allreduce
+    and barrier run with the joined rank contributing zeros. No state of one join leaks into
+    the next."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    refused = {
+        "allgather": lambda: hvd.allgather(np.ones((2, 3))),
+        "broadcast": lambda: hvd.broadcast(np.ones(3), root_rank=0),
+        "alltoall": lambda: hvd.alltoall(np.ones(n)),
+        "reducescatter": lambda: hvd.reducescatter(np.ones(n)),
+    }
+
+    def body(rank):
+        lasts = []
+        for j in range(n):
+            if rank != j:
+                for call in refused.values():
+                    with pytest.raises(
+                        HorovodInternalError, match=f"ranks \\[{j}\\] have called join"
+                    ):
+                        call()
+                total = hvd.allreduce(np.array([rank + 1.0]), op=hvd.Sum, name=f"sum{j}")
+                assert float(total[0]) == n * (n + 1) / 2 - (j + 1), (rank, j, total)
+                hvd.barrier()
+            lasts.append(hvd.join())
+        return lasts
+
+    results = run_ranks(body, n, timeout=60)
+    assert all(len(r) == n for r in results)
+    assert results[0] == results[1]  # every rank hears the same last joiner of each round
+
+
 def test_barrier_blocks_until_everyone_arrives():
     arrived = []
 

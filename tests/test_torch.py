@@ -872,6 +872,37 @@ def test_single_rank_optimizer_is_plain():
 
 
 @pytest.mark.e2e
+def test_join_in_turn_with_allgather_under_horovodrun_at_3_ranks():
+    """Issue 38's script: each rank in turn joins while the other two call an unnamed
+    allgather (which must raise) and then join. The second round used to hang."""
+    from conftest import run_script
+
+    r = run_script(
+        """
+        import torch
+        import horovod.torch as hvd
+
+        hvd.init()
+        for j in range(hvd.size()):
+            if hvd.rank() != j:
+                try:
+                    hvd.allgather(torch.ones(17, 17))
+                    print("no error", flush=True)
+                except hvd.HorovodInternalError as e:
+                    assert f"ranks [{j}] have called join" in str(e), e
+                    print(f"round {j}: refused", flush=True)
+            hvd.join()
+        print("done", flush=True)
+        """,
+        3,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("done") == 3 and "no error" not in r.stdout
+    assert all(r.stdout.count(f"round {j}: refused") == 2 for j in range(3)), r.stdout
+
+
+@pytest.mark.e2e
 def test_upstream_style_script_runs_unchanged_under_horovodrun():
     from conftest import run_script
 

@@ -38,7 +38,7 @@ from horovod.core.pending import Built, Pending
 from horovod.core.set_state import SetState
 from horovod.core.stall import Diagnosis, StallInspector
 from horovod.core.timeline import timeline_row
-from horovod.core.validation import validate
+from horovod.core.validation import REFUSED_WHILE_JOINED, validate
 
 if TYPE_CHECKING:
     from horovod.core.engine_state import EngineState
@@ -175,8 +175,13 @@ class Coordinator(StallInspector):
             need = 0
         else:
             need = len(ss.ranks)
-            if ps_id == 0:
+            if ps_id == 0 and self.joined:
                 need -= len(self.joined)
+                if next(iter(p.reqs.values())).op in REFUSED_WHILE_JOINED:
+                    # Refused at once for whoever submitted it: waiting for every other rank
+                    # could wait forever (unnamed ops of ranks that joined at different
+                    # times carry different names), and the answer would be the same.
+                    need = 1
         if len(p.reqs) >= need:
             p.ready = True
             self.partial -= 1

@@ -35,6 +35,9 @@ from horovod.core.messages import (
 from horovod.core.pending import Pending
 from horovod.core.set_state import SetState
 
+# Collectives that need every rank's data: refused while ranks of the global set have joined.
+REFUSED_WHILE_JOINED = frozenset((ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER))
+
 
 def fmt_shape(shape: tuple[int, ...]) -> str:
     return str(tuple(shape)).replace(",)", ")")
@@ -141,7 +144,7 @@ def validate(
                 q.extra,
                 "every rank must pass the same arguments, in the same order",
             )
-    if joined and op in (ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER):
+    if joined and op in REFUSED_WHILE_JOINED:
         return err(
             f"{what}: not possible while ranks {list(joined)} have called join(); only "
             "allreduce and barrier run with joined ranks"
