@@ -4,7 +4,9 @@ subset of ranks is named as such, and past the shutdown limit the job ends with 
 its root cause. Nothing hangs: every job here is bounded by the stall settings."""
 
 import re
+import time
 
+import psutil
 import pytest
 from conftest import run_script
 
@@ -134,3 +136,51 @@ def test_rank_that_exits_without_the_collective_is_named():
         r"rank 1 exited without submitting it",
         text,
     ), text
+
+
+@pytest.mark.parametrize(
+    "frozen,path_env",
+    [
+        (1, {}),  # peer rounds and the express way (the default on one host)
+        (0, {}),
+        (0, {"HOROVOD_PEER_ROUNDS": "0"}),  # through the coordinator, eager data
+        (0, {"HOROVOD_CACHE_CAPACITY": "0"}),  # through the coordinator, negotiated
+    ],
+    ids=["rank1-rounds", "rank0-rounds", "rank0-eager", "rank0-negotiated"],
+)
+def test_a_frozen_rank_stops_the_job_at_the_stall_shutdown_on_every_path(frozen, path_env):
+    """Issue 38: a rank stops itself (SIGSTOP) in a loop of allreduces. Whatever path the
+    allreduces take, and even when the frozen rank is rank 0 (which runs the stall inspector),
+    the job is stopped at HOROVOD_STALL_SHUTDOWN_TIME_SECONDS with a report naming the frozen
+    rank, and the stopped process does not outlive horovodrun."""
+    t0 = time.monotonic()
+    out = run_script(
+        f"""
+        import os, signal
+        import numpy as np
+        import horovod.numpy as hvd
+
+        hvd.init()
+        print("pid", hvd.rank(), os.getpid(), flush=True)
+        for step in range(1_000_000):
+            if hvd.rank() == {frozen} and step == 100:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            hvd.allreduce(np.ones(1024, np.float32), name="x")
+        """,
+        env={**STALL_ENV, **path_env},
+        timeout=60,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text
+    assert time.monotonic() - t0 < 30, text
+    tail = out.stderr[out.stderr.index("horovodrun: the job failed.") :]
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3 was exceeded" in tail, text
+    other = 1 - frozen
+    assert re.search(rf"Root cause, as diagnosed by rank {other}\b|as diagnosed by rank 0", tail)
+    assert f"rank {frozen}" in tail.split("Root cause", 1)[1], tail
+    pids = [int(p) for p in re.findall(r"<stdout>:pid \d (\d+)", out.stdout)]
+    assert len(pids) == 2, out.stdout
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+        assert time.monotonic() < deadline, "a worker outlived horovodrun"
+        time.sleep(0.1)

@@ -539,10 +539,12 @@ class Context:
         return infos
 
     def _record_diagnosis(self, text: str) -> None:
-        """The hang doctor's fatal report: horovodrun prints it as the job's root cause."""
+        """A fatal stall report (the hang doctor's on rank 0, a peer round's or the coordinator
+        watch's on another rank): horovodrun prints it as the job's root cause, with the rank
+        that wrote it (first line)."""
         if self.size > 1:
             try:
-                self.store.set(FAILURE_SCOPE, "diagnosis", text.encode())
+                self.store.set(FAILURE_SCOPE, "diagnosis", f"{self.rank}\n{text}".encode())
             except Exception as e:  # the report is also in rank 0's log
                 log.logger.debug("could not record the stall report: %s", e)
 

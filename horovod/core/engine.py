@@ -151,6 +151,15 @@ class Engine(ExpressPaths):
             except Exception:
                 pass
             return
+        if msg[0] == "PING":  # a rank checks that the coordinator is alive: answer at once
+            try:
+                self.transport.send_ctrl(peer, encode(("PONG",)))
+            except Exception:
+                pass
+            return
+        if msg[0] == "PONG":
+            self.heard_from_0 = self.clock()
+            return
         if msg[0] == "P" and msg[2] is not None:
             self.closing = True  # a clean shutdown follows; the connection will drop
         self._post(("ctl", peer, msg))
@@ -220,7 +229,68 @@ class Engine(ExpressPaths):
         if board is not None and board.deferred:
             left = max(0.0, self.answer_by - self.clock())
             due = left if due is None else min(due, left)
+        if self.watch_at:
+            left = max(0.0, self.watch_at - self.clock())
+            due = left if due is None else min(due, left)
         return due
+
+    def _watch_coordinator(self) -> None:
+        """(Ranks other than 0.) The stall inspector runs on rank 0: if rank 0 itself is stopped
+        or stuck in C code holding the GIL, nobody would report the collectives that wait for
+        it. Armed when this rank has collectives in flight, the watch looks again after
+        ``watch_s``: if some are still waiting, not in a peer round (which has its own watch),
+        and rank 0 has sent nothing since, it pings rank 0, whose control thread answers at
+        once while its interpreter runs. Silent past HOROVOD_STALL_CHECK_TIME_SECONDS, warn;
+        past HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, stop the job. (A look per ``watch_s``, not
+        per op: nothing is added to the path of a collective.)"""
+        now = self.clock()
+        watch_s = min(1.0, self.round_warn_s / 4)
+        if not self.watch_at:  # arm: collectives are in flight from about now
+            self.watch_at, self.waiting_since = now + watch_s, now
+            return
+        if now < self.watch_at:
+            return
+        if not self.table or self.round_items:
+            self.waiting_since, self.watch_at, self.watch_warned = None, 0.0, 0.0
+            return
+        self.watch_at = now + watch_s
+        if self.lists_done != self.watch_lists:  # rank 0 sent response lists meanwhile
+            self.watch_lists, self.heard_from_0 = self.lists_done, now
+        assert self.waiting_since is not None
+        silent = now - max(self.heard_from_0, self.waiting_since)
+        if silent >= watch_s:
+            try:
+                self.transport.send_ctrl(0, encode(("PING",)))
+            except Exception:
+                pass
+        fatal = bool(self.round_shutdown_s) and silent >= self.round_shutdown_s
+        if silent < self.round_warn_s or (
+            not fatal and silent < self.watch_warned + self.round_warn_s
+        ):
+            return
+        self.watch_warned = silent
+        with self.lock:
+            e = next(iter(self.table.values()), None)  # the oldest
+        if e is None:
+            return
+        text = (
+            f"rank {self.rank}: {display_name(e.request.op, e.request.name)}"
+            + (f" (submitted at {e.handle.callsite})" if e.handle.callsite else "")
+            + f" is waiting, and rank 0 (the coordinator, which runs the stall inspector) has "
+            f"sent nothing for {silent:.1f} s nor answered when asked: its process is stopped, "
+            "or busy in C code that holds the GIL"
+        )
+        if not fatal:
+            logger.warning(text)
+            return
+        self.unresponsive = [0]
+        text += (
+            f"\nStopping the job: HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
+            f"{self.round_shutdown_s:g} was exceeded."
+        )
+        logger.error(text)
+        self.on_fatal_report(text)
+        self._abort(text)
 
     def _handle(self, batch: list[tuple]) -> bool:
         """Process one batch of events; False when the engine must stop."""
@@ -276,6 +346,10 @@ class Engine(ExpressPaths):
             lst = self.coordinator.maybe_emit()
             if lst is not None:
                 lists.append(lst)
+        elif self.round_warn_s > 0 and (self.watch_at or self.table):
+            self._watch_coordinator()
+            if self.closed is not None:
+                return False
         for msg in lists:
             if not self._process_list(msg[1], msg[2], msg[3]):
                 return False

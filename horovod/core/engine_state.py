@@ -194,6 +194,14 @@ class EngineState:
         self.unresponsive: list[int] = []
         self.round_warn_at = 0.0
         self.round_posted_at = 0.0
+        # The coordinator watch (``Engine._watch_coordinator``, ranks other than 0): while this
+        # rank waits for collectives and rank 0 has sent nothing for a while, it pings rank 0;
+        # one that stays silent past the stall limits is reported (and stops the job).
+        self.heard_from_0 = clock()  # when rank 0 last sent anything (a pong included)
+        self.waiting_since: float | None = None  # since when the table has had entries
+        self.watch_at = 0.0  # next look (0: the table was empty at the last one)
+        self.watch_warned = 0.0  # the silence last warned about
+        self.watch_lists = 0  # response lists processed at the last look
         self._thread = threading.Thread(
             target=self._run, name=f"horovod-engine-{rank}", daemon=True
         )

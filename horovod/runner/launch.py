@@ -480,9 +480,12 @@ def main(
         kind, _, summary = raw.decode("utf-8", "replace").partition("\n")
         return kind, summary
 
-    def diagnosis() -> str | None:
+    def diagnosis() -> tuple[int, str] | None:
         raw = server.get("job", "diagnosis")
-        return None if raw is None else raw.decode("utf-8", "replace")
+        if raw is None:
+            return None
+        rank, _, text = raw.decode("utf-8", "replace").partition("\n")
+        return int(rank), text
 
     job = Job(
         commands,

@@ -157,7 +157,7 @@ class Job:
         output_dir: str | None = None,
         grace_seconds: float = 5.0,
         failure_note: Callable[[int], tuple[str, str] | None] | None = None,
-        diagnosis: Callable[[], str | None] | None = None,
+        diagnosis: Callable[[], tuple[int, str] | None] | None = None,
     ) -> None:
         self.commands = commands
         self.failure_note = failure_note or (lambda rank: None)
@@ -277,8 +277,9 @@ class Job:
         note = self.failure_note(f.rank)
         when = time.strftime("%H:%M:%S", time.localtime(f.exit_time))
         if diagnosis:  # the runtime found the cause itself (the hang doctor's report)
-            lines.append(f"Root cause, as diagnosed by rank 0 at {when}:")
-            lines.extend(f"  {t}" for t in diagnosis.splitlines())
+            by, text = diagnosis
+            lines.append(f"Root cause, as diagnosed by rank {by} at {when}:")
+            lines.extend(f"  {t}" for t in text.splitlines())
             return "\n".join(lines)
         if note and note[0] == "root":
             how = exit_description(f.exit_code or 1, f.remote)
