@@ -808,6 +808,64 @@ def test_broadcast_optimizer_state_every_optimizer(name, factory):
                 assert v == other, (name, k)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "RMSprop"])
+def test_broadcast_optimizer_state_with_parameters_whose_grad_is_none(n, opt_name):
+    """Issue 38: the root stepped with an unused layer (its .grad None, so no state), rank 1
+    never stepped, rank 2 stepped on every layer (state the root lacks). Afterwards every
+    rank has exactly the root's state and no parameter moved."""
+    factories = {
+        "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+        "Adam": lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1),
+        "RMSprop": lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.5),
+    }
+
+    def body(rank):
+        torch.manual_seed(rank)
+        model = torch.nn.ModuleDict(
+            {"used": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(4, 3)}
+        )
+        opt = factories[opt_name](model.parameters())
+        if rank == 0:
+            model["used"](torch.randn(2, 4)).sum().backward()
+            opt.step()
+            assert model["unused"].weight.grad is None
+        elif rank == 2:
+            (model["used"](torch.randn(2, 4)) + model["unused"](torch.randn(2, 4))).sum().backward()
+            opt.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        return opt.state_dict()
+
+    states = run_ranks(body, n)
+    root = states[0]
+    assert sorted(root["state"]) == [0, 1]  # the used layer's weight and bias only
+    for other in states[1:]:
+        assert sorted(other["state"]) == [0, 1]
+        for pid, st in root["state"].items():
+            assert sorted(st) == sorted(other["state"][pid])
+            for k, v in st.items():
+                w = other["state"][pid][k]
+                assert torch.equal(v, w) if torch.is_tensor(v) else v == w, (pid, k)
+
+
+def test_broadcast_optimizer_state_names_a_different_optimizer():
+    def body(rank):
+        params = list(make_model().parameters())
+        groups = [{"params": params[:1]}, {"params": params[1:]}] if rank else params
+        opt = torch.optim.SGD(groups, lr=0.1)
+        if rank == 0:
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+            return
+        with pytest.raises(
+            ValueError, match="rank 0's optimizer has 1 param groups, this rank's 2"
+        ):
+            hvd.broadcast_optimizer_state(opt, root_rank=0)
+
+    run_ranks(body, 2)
+
+
 def test_broadcast_optimizer_state_refuses_lbfgs():
     model = make_model()
     with pytest.raises(ValueError, match="LBFGS"):

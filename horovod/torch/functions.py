@@ -48,77 +48,71 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         synchronize(h)
 
 
-def _base_step(optimizer: torch.optim.Optimizer) -> Any:
-    if hasattr(optimizer, "_requires_update"):  # a DistributedOptimizer: skip its allreduce
-        return super(optimizer.__class__, optimizer).step  # type: ignore[misc]
-    return optimizer.step
-
-
-def _build_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give this rank the state structure the root has, by one step on zero gradients. Unlike
-    upstream, parameters are restored afterwards (weight decay would otherwise move them) and
-    every value is then overwritten by the root's."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    saved = [p.detach().clone() for p in params]
-    grads = [p.grad for p in params]
-    sparse = isinstance(optimizer, torch.optim.SparseAdam)
-    for p in params:
-        p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
-    _base_step(optimizer)()
-    with torch.no_grad():
-        for p, s, g in zip(params, saved, grads, strict=True):
-            p.copy_(s)
-            p.grad = g
-
-
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None
 ) -> None:
     """Make every rank's optimizer state (tensor state, scalar state and param-group options
     such as ``lr``) equal to ``root_rank``'s. Works for every ``torch.optim`` optimizer except
-    LBFGS. If the root has no state yet, every rank's state is left empty (so training matches
-    a single process exactly); otherwise ranks without state first build its structure."""
+    LBFGS, wrapped in a DistributedOptimizer or not.
+
+    The root's state decides the layout: which parameters have state, under which keys, with
+    which shapes and dtypes. Every other rank makes its own match (creating what it lacks,
+    dropping what the root does not have) and then receives the values. Parameters whose
+    ``.grad`` was None when the root stepped have no state there and so none anywhere, and a
+    root with no state at all (a fresh optimizer) leaves every rank with none, as a single
+    process would have. Upstream instead builds missing state with a step on zero gradients,
+    which needs every rank to lack the same state; no parameter is changed here. ``model``:
+    accepted for upstream's signature, unused."""
+    del model
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
-    state_dict = optimizer.state_dict()
-    root_has_state = F.broadcast_object(
-        bool(state_dict["state"]), root_rank, name="optimizer_state.has_state"
-    )
-    if not root_has_state:
-        optimizer.state.clear()  # nothing to copy: every rank starts from no state, exactly
-    elif not state_dict["state"]:
-        _build_state(optimizer)
-        state_dict = optimizer.state_dict()
-
-    scalars: dict[str, Any] = {}
-    tensors: list[tuple[str, torch.Tensor]] = []
-    for gi, group in enumerate(state_dict["param_groups"]):
-        for key, value in group.items():
-            if key != "params":
-                scalars[f"{key}.{gi}"] = value
-        for pid in group["params"]:
-            for key, value in sorted(state_dict["state"].get(pid, {}).items()):
-                if torch.is_tensor(value):
-                    tensors.append((f"{key}.{pid}", value))
-                else:
-                    scalars[f"{key}.{pid}"] = value
-    handles = [broadcast_async_(t, root_rank, name=f"optimizer_state.{n}") for n, t in tensors]
-    scalars = F.broadcast_object(scalars, root_rank, name="optimizer_state.scalars")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = optimizer.state
+    layout = None
+    if F.rank() == root_rank:  # tensors by (shape, dtype, on the parameter's device)
+        layout = (
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+            {
+                i: {
+                    key: ("tensor", tuple(v.shape), v.dtype, v.device == p.device)
+                    if torch.is_tensor(v)
+                    else ("value", v)
+                    for key, v in state[p].items()
+                }
+                for i, p in enumerate(params)
+                if state.get(p)
+            },
+        )
+    options, wanted = F.broadcast_object(layout, root_rank, name="optimizer_state.layout")
+    if len(options) != len(optimizer.param_groups):
+        raise ValueError(
+            f"broadcast_optimizer_state: rank {root_rank}'s optimizer has {len(options)} "
+            f"param groups, this rank's {len(optimizer.param_groups)}: every rank must build "
+            "the same optimizer over the same model"
+        )
+    for group, opts in zip(optimizer.param_groups, options, strict=True):
+        group.update(opts)
+    handles = []
+    for i, p in enumerate(params):
+        spec = wanted.get(i)
+        if spec is None:
+            state.pop(p, None)
+            continue
+        mine = state[p]
+        for key in [k for k in mine if k not in spec]:
+            del mine[key]
+        for key, (kind, *rest) in sorted(spec.items()):
+            if kind == "value":
+                mine[key] = rest[0]
+                continue
+            shape, dtype, on_param = rest
+            device = p.device if on_param else torch.device("cpu")
+            t = mine.get(key)
+            if not (torch.is_tensor(t) and t.shape == shape and t.dtype == dtype):
+                t = mine[key] = torch.empty(shape, dtype=dtype, device=device)
+            handles.append(broadcast_async_(t, root_rank, name=f"optimizer_state.{i}.{key}"))
     for h in handles:
         synchronize(h)
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    pid = 0
-    for gi, group in enumerate(optimizer.param_groups):
-        for key in list(group):
-            if key != "params" and f"{key}.{gi}" in scalars:
-                group[key] = scalars[f"{key}.{gi}"]
-        for _ in group["params"]:
-            p = params[pid]
-            for key, value in list(optimizer.state.get(p, {}).items()):
-                if not torch.is_tensor(value) and f"{key}.{pid}" in scalars:
-                    optimizer.state[p][key] = scalars[f"{key}.{pid}"]
-            pid += 1
 
 
 def broadcast_object(
