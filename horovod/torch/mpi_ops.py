@@ -438,7 +438,8 @@ def sparse_allreduce_async(
     tensor: torch.Tensor, name: str, op: int, process_set: ProcessSet = global_process_set
 ) -> Any:
     """Allreduce of a sparse COO tensor by allgathering its indices and values; returns a
-    callable that waits and returns the (uncoalesced) sum, divided by the set size for Average."""
+    callable that waits and returns the sum (coalesced: one entry per index, as optimizers such
+    as SparseAdam expect), divided by the set size for Average."""
     t = tensor.coalesce()
     h_idx = allgather_async(
         t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set
@@ -451,7 +452,8 @@ def sparse_allreduce_async(
         if op == Average:
             n = process_set.size() if process_set is not global_process_set else F.size()
             values = values / n
-        return torch.sparse_coo_tensor(indices.t(), values, t.shape, check_invariants=True)
+        out = torch.sparse_coo_tensor(indices.t(), values, t.shape, check_invariants=True)
+        return out.coalesce()
 
     return handle
 

@@ -161,14 +161,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 )
             self._names = {id(p): n for n, p in named}
         else:
-            self._names = {
-                id(p): f"noname.{gi}.{pi}"
-                for gi, g in enumerate(self.param_groups)
-                for pi, p in enumerate(g["params"])
-            }
+            # Upstream's names (it restarts the count in every param group, so two groups
+            # would share names; here the count runs over all groups).
+            self._names = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(all_params)}
+        # Upstream's mapping, which user code and tools read: parameter -> its name.
+        self._parameter_names = {p: self._names[id(p)] for p in all_params}
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {id(p): backward_passes_per_step for p in all_params}
         self._handles: dict[int, tuple[Any, Any]] = {}  # id(p) -> (handle or None, ctx)
+        self._densified: dict[int, int] = {}  # sparse gradients reduced dense: their sparse_dim
         self._params = {id(p): p for p in all_params}
         self._index = {id(p): i for i, p in enumerate(all_params)}
         self._requires_update: set[int] = set()
@@ -353,8 +354,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if not self._sparse_as_dense:
                 handle = sparse_allreduce_async(grad, f"sparse.{name}", self._op, self._process_set)
                 return handle, ("sparse", grad)
-            grad = grad.to_dense()
-            p.grad = grad
+            grad = self._densify(p)
         compressed, ctx = self._compression.compress(grad)
         pre, post = self._scales()
         handle = allreduce_async_(
@@ -386,7 +386,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     if not self._sparse_as_dense:
                         self._handles[id(p)] = self._allreduce_grad_async(p)
                         continue
-                    p.grad = p.grad.to_dense()
+                    self._densify(p)
                 dense.append(p)
             grads = [p.grad for p in dense]
         if len(grads) < 2:
@@ -526,6 +526,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._finish_bucket(bi)
             self._delay.update(dict.fromkeys(self._bucket_of, self.backward_passes_per_step))
             self._reset_buckets()
+        for pid, sparse_dim in self._densified.items():
+            p = self._params[pid]
+            assert p.grad is not None
+            p.grad = p.grad.to_sparse(sparse_dim).coalesce()
+        self._densified.clear()
         self._synchronized = True
 
     def _loose(self) -> list[int]:
@@ -542,6 +547,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for bi, ids in enumerate(self._buckets):
             self._bucket_left[bi] = len(ids)
             self._bucket_flight[bi] = None
+
+    def _densify(self, p: torch.Tensor) -> torch.Tensor:
+        """``sparse_as_dense``: reduce this sparse gradient as a dense one; ``synchronize``
+        gives it back sparse (an optimizer such as SparseAdam takes only sparse gradients)."""
+        assert p.grad is not None
+        self._densified[id(p)] = p.grad.sparse_dim()
+        p.grad = p.grad.to_dense()
+        return p.grad
 
     def _write_grad(self, p: torch.Tensor, ctx: Any) -> None:
         cctx, compressed = ctx
