@@ -3,6 +3,7 @@
 import copy
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -1343,6 +1344,25 @@ def test_parameter_names_as_upstream():
 
     a, b = run_ranks(body, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_errors_name_the_applications_line_not_torchs():
+    """Issue 38: torch's collectives run through autograd Functions; the call site in an
+    error is the application's line, not torch's ``function.py ... in apply``."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    def body(rank):
+        with pytest.raises(HorovodInternalError) as e:
+            hvd.allgather(torch.ones(2, 2 + rank), name="g")  # THE LINE
+        return str(e.value)
+
+    line = next(
+        i
+        for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+        if "# THE LINE" in text
+    )
+    for message in run_ranks(body, 2):
+        assert f"test_torch.py:{line} in body" in message and "function.py" not in message
 
 
 def test_sparse_allreduce_async_sum():

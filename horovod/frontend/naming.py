@@ -12,27 +12,48 @@ import sys
 from typing import Any
 
 from horovod.core import context as _context
+from horovod.core.diagnose import is_user_file
 
 # The horovod package: frames inside it are not a call site.
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_INTERNAL: dict[str, bool] = {}  # code file name -> part of this package (memoized)
+# What a code file is, for call sites (memoized): horovod itself (never a call site), a
+# framework or the standard library (torch's autograd, TensorFlow's op wrappers: a call site
+# only when no application frame is found above), or the application's own code.
+_HOROVOD, _LIBRARY, _USER = 0, 1, 2
+_KIND: dict[str, int] = {}
 _SITES: dict[tuple[Any, int], str] = {}  # (code, line) -> "file.py:42 in fn" (memoized)
 
 
+def _kind(filename: str) -> int:
+    kind = _KIND.get(filename)
+    if kind is None:
+        if os.path.abspath(filename).startswith(PACKAGE_DIR + os.sep):
+            kind = _HOROVOD
+        else:
+            kind = _USER if is_user_file(filename) else _LIBRARY
+        _KIND[filename] = kind
+    return kind
+
+
 def callsite() -> str:
-    f = sys._getframe(1)
-    internal = _INTERNAL
+    """``train.py:42 in step``: the innermost frame of the application that led to this
+    collective. Frames of horovod, of frameworks (a gradient hook runs under torch's
+    autograd, a TF op under TensorFlow's dispatch) and of the standard library are skipped;
+    without any application frame, the innermost frame outside horovod."""
+    f: Any = sys._getframe(1)
+    fallback = None
     while f is not None:
-        name = f.f_code.co_filename
-        inside = internal.get(name)
-        if inside is None:
-            inside = internal[name] = os.path.abspath(name).startswith(PACKAGE_DIR)
-        if not inside:
+        kind = _kind(f.f_code.co_filename)
+        if kind == _USER:
             break
-        f = f.f_back  # type: ignore[assignment]
+        if kind == _LIBRARY and fallback is None:
+            fallback = f
+        f = f.f_back
     if f is None:
-        return ""
+        f = fallback
+        if f is None:
+            return ""
     key = (f.f_code, f.f_lineno)
     site = _SITES.get(key)
     if site is None:
