@@ -85,28 +85,51 @@ def test_allgather_broadcast_alltoall_reducescatter(n):
             np.testing.assert_allclose(res[6], expect_gather * 2)
 
 
-def test_gradients_through_collectives():
+@pytest.mark.parametrize("size", [2, 3])
+def test_gradients_through_collectives(size):
+    """Every collective's gradient as upstream defines it (issue 38: allgather and broadcast
+    summed where upstream averages), eagerly and in a tf.function, at 2 and 3 ranks. Rank r
+    scales each output by (r + 1), so the upstream gradient differs per rank."""
+    n = size
+
     def body(rank):
         x = tf.Variable([1.0, 2.0])
+        rows = tf.Variable(tf.reshape(tf.range(2.0 * n), [n, 2]))
+        k = float(rank + 1)
 
         def fn():
             with tf.GradientTape(persistent=True) as tape:
-                s = tf.reduce_sum(hvd.allreduce(x * (rank + 1), op=hvd.Sum))
-                g = tf.reduce_sum(hvd.allgather(tf.reshape(x, [1, 2])) * (rank + 1))
-                b = tf.reduce_sum(hvd.broadcast(x, root_rank=0))
-            return tape.gradient(s, x), tape.gradient(g, x), tape.gradient(b, x)
+                s = tf.reduce_sum(hvd.allreduce(x * k, op=hvd.Sum))
+                g = tf.reduce_sum(hvd.allgather(tf.reshape(x, [1, 2])) * k)
+                b = tf.reduce_sum(hvd.broadcast(x, root_rank=0) * k)
+                a = tf.reduce_sum(hvd.alltoall(rows) * k)
+                rs = tf.reduce_sum(hvd.reducescatter(rows, op=hvd.Sum) * k)
+                gg = hvd.grouped_allgather([tf.reshape(x, [1, 2]), tf.reshape(x, [1, 2])])
+                ga = tf.reduce_sum(gg[0] * k) + tf.reduce_sum(gg[1])
+            return [
+                tape.gradient(t, v)
+                for t, v in ((s, x), (g, x), (b, x), (a, rows), (rs, rows), (ga, x))
+            ]
 
         return both_modes(fn)
 
-    for rank, (eager, graph) in enumerate(run_ranks(body, 2)):
-        for ds, dg, db in (eager, graph):
-            # the gradient of an allreduce is the allreduce (Sum) of the upstream gradients
-            # (1 on each of 2 ranks), times this rank's own factor (rank + 1)
-            np.testing.assert_allclose(ds, [2.0 * (rank + 1)] * 2)
-            # allgather: row `rank` of the summed gradient (1 + 2 = 3)
-            np.testing.assert_allclose(dg, [3.0, 3.0])
-            # broadcast from 0: the root receives everyone's gradient, others none
-            np.testing.assert_allclose(db, [2.0, 2.0] if rank == 0 else [0.0, 0.0])
+    mean_k = sum(r + 1.0 for r in range(n)) / n
+    for rank, (eager, graph) in enumerate(run_ranks(body, n)):
+        k = rank + 1.0
+        for ds, dg, db, da, drs, dga in (eager, graph):
+            # allreduce (Sum): the Sum allreduce of the upstream gradients (1 on every rank),
+            # times this rank's own factor
+            np.testing.assert_allclose(ds, [n * k] * 2)
+            # allgather: this rank's rows of the averaged gradient (the mean of the k's)
+            np.testing.assert_allclose(dg, [mean_k] * 2)
+            # broadcast from 0: the averaged gradient on the root, zeros elsewhere
+            np.testing.assert_allclose(db, [mean_k] * 2 if rank == 0 else [0.0] * 2)
+            # alltoall (one row to each rank): row i went to rank i, scaled there by i + 1
+            np.testing.assert_allclose(da, [[i + 1.0] * 2 for i in range(n)])
+            # reducescatter (Sum; row i to rank i): the allgather of every rank's gradient
+            np.testing.assert_allclose(drs, [[i + 1.0] * 2 for i in range(n)])
+            # grouped allgather: per tensor as allgather (mean of k, then mean of 1)
+            np.testing.assert_allclose(dga, [mean_k + 1.0] * 2)
 
 
 def test_distributed_gradient_tape_averages_and_keeps_local_sources(n):
@@ -175,11 +198,75 @@ def test_errors():
             hvd.DistributedGradientTape(tape, op=hvd.Sum, gradient_predivide_factor=2.0)
         with pytest.raises(RuntimeError, match="does not support eager execution"):
             hvd.broadcast_global_variables(0)
-        with pytest.raises(HorovodInternalError, match="shape"):
-            hvd.allreduce(tf.ones([2 + rank]), name="mismatch")
+        # Issue 38: TensorFlow's own error types, as upstream's ops raise them, with the
+        # project's message and the application's line (not TensorFlow's wrapper).
+        with pytest.raises(tf.errors.FailedPreconditionError, match="shape") as e:
+            hvd.allreduce(tf.ones([2 + rank]), name="mismatch")  # LINE A
+        assert f"test_tensorflow.py:{line_of('# LINE A')} in body" in str(e.value)
+        assert isinstance(e.value.__cause__, HorovodInternalError)  # what elastic code sees
+        with pytest.raises(tf.errors.InvalidArgumentError, match="root_rank"):
+            hvd.broadcast(tf.ones([2]), root_rank=5)
+        with pytest.raises(tf.errors.FailedPreconditionError, match="dtype"):
+            hvd.allgather(tf.ones([1], tf.float32 if rank else tf.int32), name="dt")
+        # In a tf.function, TensorFlow maps a Python op's exceptions by type: a bad argument
+        # (ValueError) is an InvalidArgumentError, a disagreement an UnknownError there.
+        with pytest.raises(tf.errors.InvalidArgumentError, match="root_rank"):
+            tf.function(lambda: hvd.broadcast(tf.ones([2]), root_rank=5))()
+        with pytest.raises(tf.errors.OpError, match="shape"):
+            tf.function(lambda: hvd.allreduce(tf.ones([2 + rank]), name="mismatch2"))()
         return "ok"
 
     assert run_ranks(body, 2) == ["ok", "ok"]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_alltoall_without_splits_and_grouped_indexed_slices(size):
+    """Issue 38: alltoall without splits returns the output only (with splits, also the
+    received splits), eagerly and in a graph; grouped_allreduce takes tf.IndexedSlices, alone
+    or mixed with dense tensors, and keeps their order."""
+    n = size
+
+    def body(rank):
+        rows = tf.reshape(tf.range(2 * n) + 100 * rank, [2 * n, 1])
+
+        def fn():
+            even = hvd.alltoall(rows)
+            out, received = hvd.alltoall(rows, splits=[2] * n)
+            sl = tf.IndexedSlices(
+                tf.fill([1, 2], float(rank + 1)),
+                tf.constant([rank]),
+                dense_shape=tf.constant([n, 2]),
+            )
+            dense = tf.fill([3], float(rank))
+            mixed = hvd.grouped_allreduce([sl, dense, sl], op=hvd.Sum)
+            assert isinstance(mixed[0], tf.IndexedSlices) and isinstance(mixed[2], tf.IndexedSlices)
+            return even, out, received, tf.convert_to_tensor(mixed[0]), mixed[1]
+
+        return both_modes(fn)
+
+    for rank, (eager, graph) in enumerate(run_ranks(body, n)):
+        for even, out, received, slices, dense in (eager, graph):
+            want = [[2 * rank + k + 100 * q] for q in range(n) for k in range(2)]
+            np.testing.assert_array_equal(even, want)
+            np.testing.assert_array_equal(out, want)
+            np.testing.assert_array_equal(received, [2] * n)
+            np.testing.assert_allclose(slices, [[q + 1.0] * 2 for q in range(n)])
+            np.testing.assert_allclose(dense, [sum(range(n))] * 3)
+
+
+def test_hvd_util_is_upstreams_module():
+    assert hvd.util._executing_eagerly() is True
+    assert tf.function(lambda: tf.constant(hvd.util._executing_eagerly()))().numpy() == False  # noqa: E712
+    v = [tf.Variable(1.0), tf.Variable(2.0)]
+    refs = hvd.util.vars_to_refs(v)
+    assert len({*refs}) == 2 and hvd.util.refs_to_vars(refs)[1] is v[1]
+
+
+def line_of(marker: str) -> int:
+    from pathlib import Path
+
+    lines = Path(__file__).read_text().splitlines()
+    return next(i for i, text in enumerate(lines, 1) if text.rstrip().endswith(marker))
 
 
 # ------------------------------------------------------------------------------ Keras

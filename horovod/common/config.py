@@ -461,3 +461,28 @@ if __name__ == "__main__":  # pragma: no cover - documentation helper
     print("| variable | default | meaning |\n|---|---|---|")
     for env, default, help_ in knob_table():
         print(f"| `{env}` | {default} | {help_} |")
+
+
+# Where a process launched by horovodrun, mpirun or another PMI launcher finds its rank and the
+# job's size (upstream's ``horovod.runner.common.util.env.get_env_rank_and_size``), in order.
+RANK_AND_SIZE_VARIABLES = (
+    ("HOROVOD_RANK", "HOROVOD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+)
+
+
+def env_rank_and_size(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(rank, size) from the first launcher's pair of variables that is set; (0, 1) when none
+    is. RuntimeError when only one variable of a pair is set."""
+    env = os.environ if environ is None else environ
+    for rank_var, size_var in RANK_AND_SIZE_VARIABLES:
+        rank, size = env.get(rank_var), env.get(size_var)
+        if rank is not None and size is not None:
+            return int(rank), int(size)
+        if rank is not None or size is not None:
+            raise RuntimeError(
+                f"cannot tell this process's rank and the job's size: {rank_var if rank else size_var}"
+                f" is set but {size_var if rank else rank_var} is not"
+            )
+    return 0, 1

@@ -11,6 +11,13 @@ class HorovodInternalError(RuntimeError):
     treats it as recoverable: it restores the last committed state and re-initialises."""
 
 
+class CollectiveRejected(HorovodInternalError):
+    """The ranks' submissions of a collective disagree (dtype, shape, op, root, ... differ
+    between ranks), or it cannot run now (ranks have joined): a mistake in the program rather
+    than a failure of the job. The frameworks' own error types are raised for it where
+    upstream raised them (TensorFlow: ``tf.errors.FailedPreconditionError``)."""
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Raised in elastic mode when the set of hosts changed; ``skip_sync`` is True when hosts
     were only removed, so the state does not need to be re-broadcast."""

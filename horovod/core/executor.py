@@ -118,7 +118,7 @@ class Executor(EngineState):
                 tl.ops_end(rows, None, [()] * len(rows))
             for e in entries:
                 if e is not None:
-                    e.handle._complete(e.index, error=resp.error)
+                    e.handle._complete(e.index, error=resp.error, rejected=True)
             return
         if op == JOIN:
             for e in entries:
@@ -213,7 +213,7 @@ class Executor(EngineState):
         if resp.error:
             for e in entries:
                 if e is not None:
-                    e.handle._complete(e.index, error=resp.error)
+                    e.handle._complete(e.index, error=resp.error, rejected=True)
             return
         if resp.op == PROCESS_SET_ADD:
             new_id, ranks = cast(tuple[int, list[int]], resp.extra)

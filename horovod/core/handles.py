@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.exceptions import HorovodInternalError
+from horovod.common.exceptions import CollectiveRejected, HorovodInternalError
 from horovod.core import pool
 from horovod.core.messages import (
     Request,
@@ -34,6 +34,7 @@ class Handle:
         "_done",
         "results",
         "error",
+        "rejected",
         "callsite",
         "_lock",
         "finish",
@@ -49,6 +50,7 @@ class Handle:
         self._lock = threading.Lock()
         self.results: list[Any] = [None] * n
         self.error: str | None = None
+        self.rejected = False  # the error is the coordinator's refusal (CollectiveRejected)
         self.callsite = callsite
         self.finish = finish
         self.driver: Callable[[Handle], None] | None = None  # runs the engine until done
@@ -56,10 +58,13 @@ class Handle:
     def done(self) -> bool:
         return self._done
 
-    def _complete(self, index: int, result: Any = None, error: str | None = None) -> None:
+    def _complete(
+        self, index: int, result: Any = None, error: str | None = None, rejected: bool = False
+    ) -> None:
         with self._lock:
             if error is not None and self.error is None:
                 self.error = error
+                self.rejected = rejected
             else:
                 self.results[index] = result
             self._left -= 1
@@ -82,7 +87,9 @@ class Handle:
                     pass
         if self.error is not None:
             where = f"\n  (this rank submitted it at {self.callsite})" if self.callsite else ""
-            raise HorovodInternalError(self.error + where)
+            raise (CollectiveRejected if self.rejected else HorovodInternalError)(
+                self.error + where
+            )
         return self.results
 
 

@@ -36,6 +36,7 @@ from horovod.frontend.arguments import (
     resolve_set,
 )
 from horovod.frontend.basics import (
+    BASICS,
     ccl_built,
     cross_rank,
     cross_size,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from horovod.common import util
 from horovod.core import context as _context
 from horovod.frontend.arguments import require_context
 
@@ -69,7 +70,7 @@ def mpi_enabled() -> bool:
 
 
 def mpi_built() -> bool:
-    return False
+    return util.mpi_built()
 
 
 def gloo_enabled() -> bool:
@@ -77,23 +78,23 @@ def gloo_enabled() -> bool:
 
 
 def gloo_built() -> bool:
-    return True
+    return util.gloo_built()
 
 
 def nccl_built() -> int:
-    return 0
+    return int(util.nccl_built())
 
 
 def ddl_built() -> bool:
-    return False
+    return util.ddl_built()
 
 
 def ccl_built() -> bool:
-    return False
+    return util.ccl_built()
 
 
 def cuda_built() -> bool:
-    return False
+    return util.BUILT["cuda"]
 
 
 def rocm_built() -> bool:
@@ -116,3 +117,40 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 def stop_timeline() -> None:
     """Stop writing the timeline and close its file (a no-op when none is being written)."""
     require_context().stop_timeline()
+
+
+class Basics:
+    """Upstream's ``mpi_ops._basics`` (a ``HorovodBasics``): the functions above as methods,
+    and ``_get_process_set_ids_and_ranks``, which user code and tools call."""
+
+    init = staticmethod(init)
+    shutdown = staticmethod(shutdown)
+    is_initialized = staticmethod(is_initialized)
+    size = staticmethod(size)
+    rank = staticmethod(rank)
+    local_size = staticmethod(local_size)
+    local_rank = staticmethod(local_rank)
+    cross_size = staticmethod(cross_size)
+    cross_rank = staticmethod(cross_rank)
+    is_homogeneous = staticmethod(is_homogeneous)
+    mpi_threads_supported = staticmethod(mpi_threads_supported)
+    mpi_enabled = staticmethod(mpi_enabled)
+    mpi_built = staticmethod(mpi_built)
+    gloo_enabled = staticmethod(gloo_enabled)
+    gloo_built = staticmethod(gloo_built)
+    nccl_built = staticmethod(nccl_built)
+    ddl_built = staticmethod(ddl_built)
+    ccl_built = staticmethod(ccl_built)
+    cuda_built = staticmethod(cuda_built)
+    rocm_built = staticmethod(rocm_built)
+    start_timeline = staticmethod(start_timeline)
+    stop_timeline = staticmethod(stop_timeline)
+
+    @staticmethod
+    def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+        """Every process set this rank knows: id -> its global ranks (0 is the global set)."""
+        ctx = require_context()
+        return {ps_id: list(ps.ranks) for ps_id, ps in sorted(ctx.public_sets.items())}
+
+
+BASICS = Basics()

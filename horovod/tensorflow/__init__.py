@@ -43,7 +43,7 @@ from horovod.frontend import (
     start_timeline,
     stop_timeline,
 )
-from horovod.tensorflow import elastic
+from horovod.tensorflow import elastic, util
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from horovod.tensorflow.mpi_ops import (
@@ -358,6 +358,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
 
 __all__ = [
     "elastic",
+    "util",
     "Adasum",
     "Average",
     "BroadcastGlobalVariablesHook",

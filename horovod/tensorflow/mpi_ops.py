@@ -4,9 +4,11 @@ Eagerly, a tensor's NumPy view goes straight to the engine. In a graph (``tf.fun
 collective is a ``tf.numpy_function`` op; successive collectives of one graph are chained with
 control dependencies so every rank runs them in the order they were written (TensorFlow may
 otherwise run independent ops in any order, and a blocking collective run out of order on one
-rank would wait for ever). Gradients are registered with ``tf.custom_gradient``: the gradient of
-an allreduce is the allreduce of the gradient, of an allgather the slice of this rank's rows
-of the summed gradient, of a broadcast the sum of gradients on the root.
+rank would wait for ever). Gradients are registered with ``tf.custom_gradient``, as upstream
+defines them: the gradient of an allreduce is the allreduce of the gradient, of an allgather
+this rank's rows of the averaged gradient, of a broadcast the averaged gradient on the root
+(zeros elsewhere), of an alltoall the alltoall of the gradient back with the received splits,
+of a reducescatter the allgather of the gradient (scaled alike).
 
 Must not touch: the engine's internals (it submits through ``horovod.frontend``).
 """
@@ -21,9 +23,14 @@ import numpy as np
 import tensorflow as tf
 
 from horovod import frontend as F
+from horovod.common.exceptions import CollectiveRejected
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import context as _context
 from horovod.core.messages import AVERAGE, SUM
+from horovod.tensorflow.util import _executing_eagerly  # noqa: F401  (upstream's name here)
+
+# Upstream's ``_basics`` object (user code calls ``_get_process_set_ids_and_ranks()`` on it).
+_basics = F.BASICS
 
 Average, Sum = AVERAGE, SUM
 
@@ -32,10 +39,6 @@ _no_autograph = tf.autograph.experimental.do_not_convert
 
 _last_op: weakref.WeakKeyDictionary[Any, list[tf.Tensor]] = weakref.WeakKeyDictionary()
 _graph_count: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-
-
-def _executing_eagerly() -> bool:
-    return tf.executing_eagerly()
 
 
 def _graph_name(prefix: str, tensor: Any, name: str | None) -> str | None:
@@ -61,7 +64,12 @@ def _run(
     """Run ``fn`` (NumPy arrays in, arrays out) now if eager, else as a graph op."""
     if tf.executing_eagerly():
         # np.asarray of a CPU EagerTensor is a view of its buffer: no copy in
-        outs = fn(*[np.asarray(x) for x in inputs])
+        try:
+            outs = fn(*[np.asarray(x) for x in inputs])
+        except CollectiveRejected as e:  # ranks disagree: TensorFlow's type, as upstream
+            raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
+        except (ValueError, TypeError) as e:  # a bad argument, such as a root rank
+            raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
         return [_to_tensor(o, d) for o, d in zip(outs, touts, strict=True)]
     bound = _context.bind(fn)
 
@@ -203,6 +211,34 @@ def grouped_allreduce(
     op = F.resolve_op(op, average, "grouped_allreduce")
     if not tensors:
         return []
+    sliced = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    if sliced:
+        # tf.IndexedSlices are reduced each on its own (two allgathers, as allreduce does);
+        # the dense tensors as one group. Results keep the input order.
+        base = _graph_name("HorovodGroupedAllreduce", None, name)
+        out: list[Any] = list(tensors)
+        for i in sliced:
+            out[i] = allreduce(
+                tensors[i],
+                op=op,
+                prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor,
+                name=f"{base}.slices.{i}" if base else None,
+                process_set=process_set,
+            )
+        dense = [i for i in range(len(tensors)) if i not in set(sliced)]
+        reduced = grouped_allreduce(
+            [tensors[i] for i in dense],
+            compression=compression,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+            name=f"{base}.dense" if base else None,
+        )
+        for i, r in zip(dense, reduced, strict=True):
+            out[i] = r
+        return out
     packed = [compression.compress(_dense(t)) for t in tensors]
     name = _graph_name("HorovodGroupedAllreduce", packed[0][0], name)
     outs = _grouped_allreduce_dense(
@@ -270,21 +306,25 @@ def allgather(
         y.set_shape([None] + list(x.shape[1:]))
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            # rows of every rank, then this rank's slice of the summed gradient
-            rows = tf.shape(x, out_type=tf.int64)[:1]
-            counts = allgather(
-                rows, name=f"{name}.grad.rows" if name else None, process_set=process_set
-            )
-            summed = _allreduce_dense(
-                dy, SUM, 1.0, 1.0, f"{name}.grad" if name else None, process_set
-            )
-            me = process_set.rank()
-            start = tf.reduce_sum(counts[:me])
-            return summed[start : start + counts[me]]
+            return _allgather_grad(x, dy, name, process_set)
 
         return y, grad
 
     return _op(x)
+
+
+def _allgather_grad(
+    x: tf.Tensor, dy: tf.Tensor, name: str | None, process_set: ProcessSet
+) -> tf.Tensor:
+    """As upstream: every rank's row count, then this rank's rows of the averaged gradient."""
+    rows = tf.shape(x, out_type=tf.int64)[:1]
+    counts = allgather(rows, name=f"{name}.grad.rows" if name else None, process_set=process_set)
+    averaged = _allreduce_dense(
+        dy, AVERAGE, 1.0, 1.0, f"{name}.grad" if name else None, process_set
+    )
+    me = process_set.rank()
+    start = tf.reduce_sum(counts[:me])
+    return averaged[start : start + counts[me]]
 
 
 @_no_autograph
@@ -298,15 +338,27 @@ def grouped_allgather(
     if not xs:
         return []
     name = _graph_name("HorovodGroupedAllgather", xs[0], name)
-    ys = _run(
-        lambda *arrays: F.grouped_allgather(list(arrays), name=name, process_set=process_set),
-        xs,
-        [x.dtype for x in xs],
-        "HorovodGroupedAllgather",
-    )
-    for y, x in zip(ys, xs, strict=True):
-        y.set_shape([None] + list(x.shape[1:]))
-    return ys
+
+    @tf.custom_gradient
+    def _op(*xs: tf.Tensor) -> Any:
+        ys = _run(
+            lambda *arrays: F.grouped_allgather(list(arrays), name=name, process_set=process_set),
+            list(xs),
+            [x.dtype for x in xs],
+            "HorovodGroupedAllgather",
+        )
+        for y, x in zip(ys, xs, strict=True):
+            y.set_shape([None] + list(x.shape[1:]))
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return [
+                _allgather_grad(x, dy, f"{name}.{i}" if name else None, process_set)
+                for i, (x, dy) in enumerate(zip(xs, dys, strict=True))
+            ]
+
+        return ys, grad
+
+    return list(_op(*xs))
 
 
 # ------------------------------------------------------------------------------- broadcast
@@ -333,12 +385,13 @@ def broadcast(
         y.set_shape(x.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            summed = _allreduce_dense(
-                dy, SUM, 1.0, 1.0, f"{name}.grad" if name else None, process_set
+            # as upstream: the averaged gradient on the root, zeros elsewhere
+            averaged = _allreduce_dense(
+                dy, AVERAGE, 1.0, 1.0, f"{name}.grad" if name else None, process_set
             )
             if F.rank() == root_rank:
-                return summed
-            return tf.zeros_like(summed)
+                return averaged
+            return tf.zeros_like(averaged)
 
         return y, grad
 
@@ -420,14 +473,30 @@ def alltoall(
     if splits is not None:
         inputs.append(tf.cast(_dense(splits), tf.int32))
 
-    def fn(a: np.ndarray, s: np.ndarray | None = None) -> list[np.ndarray]:
-        out, received = F.alltoall(
-            a, None if s is None else s.tolist(), name=name, process_set=process_set
-        )
-        return [out, np.asarray(received, np.int32)]
+    @tf.custom_gradient
+    def _op(*inputs: tf.Tensor) -> Any:
+        def fn(a: np.ndarray, s: np.ndarray | None = None) -> list[np.ndarray]:
+            n = process_set.size() or 1
+            if s is None and a.ndim and a.shape[0] % n == 0:
+                s = np.full(n, a.shape[0] // n)  # even
+            if s is None:  # not splittable evenly: the frontend says why
+                return [F.alltoall(a, None, name=name, process_set=process_set), np.zeros(0)]
+            out, received = F.alltoall(a, s.tolist(), name=name, process_set=process_set)
+            return [out, np.asarray(received, np.int32)]
 
-    out, received = _run(fn, inputs, [x.dtype, tf.int32], "HorovodAlltoall")
-    out.set_shape([None] + list(x.shape[1:]))
+        out, received = _run(fn, list(inputs), [inputs[0].dtype, tf.int32], "HorovodAlltoall")
+        out.set_shape([None] + list(inputs[0].shape[1:]))
+
+        def grad(dy: tf.Tensor, _dreceived: Any = None) -> list[Any]:
+            # as upstream: the gradient goes back to where its rows came from
+            back = alltoall(
+                dy, received, name=f"{name}.grad" if name else None, process_set=process_set
+            )[0]
+            return [back] + [None] * (len(inputs) - 1)
+
+        return (out, received), grad
+
+    out, received = _op(*inputs)
     return (out, received) if splits is not None else out
 
 

@@ -49,6 +49,9 @@ from horovod.torch.allreduce_ops import (  # noqa: F401  (upstream's names here)
 
 Average, Sum, Adasum, Min, Max, Product = F.Average, F.Sum, F.Adasum, F.Min, F.Max, F.Product
 
+# Upstream's ``_basics`` object (user code calls ``_get_process_set_ids_and_ranks()`` on it).
+_basics = F.BASICS
+
 
 def _gather_finish(like: Sequence[torch.Tensor], grouped: bool):
     def finish(results: list) -> Any:

@@ -27,6 +27,7 @@ from torch._utils import _unflatten_dense_tensors
 
 from horovod import frontend as F
 from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.util import split_list
 from horovod.torch.compression import Compression, NoneCompressor, _CastCompressor
 from horovod.torch.mpi_ops import (
     Adasum,
@@ -109,12 +110,6 @@ def _shared(kept: tuple, grads: list[torch.Tensor]) -> bool:
         if grads[i] is not views[i] and _refs(views, i) > _ALONE:
             return True
     return False
-
-
-def split_list(items: list, n: int) -> list[list]:
-    """``n`` nearly even contiguous chunks (upstream's ``horovod.common.util.split_list``)."""
-    k, m = divmod(len(items), n)
-    return [items[i * k + min(i, m) : (i + 1) * k + min(i + 1, m)] for i in range(n)]
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
