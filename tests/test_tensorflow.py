@@ -262,6 +262,54 @@ def test_hvd_util_is_upstreams_module():
     assert len({*refs}) == 2 and hvd.util.refs_to_vars(refs)[1] is v[1]
 
 
+def test_broadcast_in_place_in_graph_mode_ref_and_resource_variables():
+    """Issue 38: in a TF1 graph, broadcast_ returns the assignments (as upstream): running
+    them in a Session gives every rank the root's values, for ref and resource variables,
+    a list or a single variable; inside a tf.function it assigns as it runs."""
+
+    def body(rank):
+        g = tf.Graph()
+        with g.as_default():
+            ref = tf.compat.v1.Variable([float(rank)], use_resource=False)
+            res = tf.compat.v1.Variable([rank + 5.0, rank + 6.0], use_resource=True)
+            both = hvd.broadcast_([ref, res], root_rank=1)
+            single = hvd.broadcast_(res, root_rank=0, name="single")
+            with tf.compat.v1.Session(graph=g) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                returned = sess.run(both)
+                after_both = sess.run([ref, res])
+                sess.run(tf.compat.v1.assign(res, [rank * 10.0, 0.0]))
+                sess.run(single)
+                after_single = sess.run(res)
+        v = tf.Variable([float(rank)])
+
+        @tf.function
+        def step():
+            hvd.broadcast_(v, root_rank=1)
+
+        step()
+        return returned, after_both, after_single, v.numpy()
+
+    for returned, after_both, after_single, v in run_ranks(body, 2):
+        for got in (returned, after_both):
+            np.testing.assert_array_equal(got[0], [1.0])
+            np.testing.assert_array_equal(got[1], [6.0, 7.0])
+        np.testing.assert_array_equal(after_single, [0.0, 0.0])  # rank 0's
+        np.testing.assert_array_equal(v, [1.0])
+
+
+def test_sync_batch_normalization_takes_upstreams_fused_argument():
+    layer = hvd.SyncBatchNormalization(fused=False, momentum=0.9)
+    config = layer.get_config()
+    assert "fused" not in config  # Keras 3's BatchNormalization has no such argument
+    assert isinstance(
+        hvd.SyncBatchNormalization.from_config({**config, "fused": False}),
+        hvd.SyncBatchNormalization,
+    )  # a config saved by Keras 2 loads
+    with pytest.raises(ValueError, match="fused=True"):
+        hvd.SyncBatchNormalization(fused=True)
+
+
 def line_of(marker: str) -> int:
     from pathlib import Path
 

@@ -404,11 +404,15 @@ def broadcast_(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
 ) -> Any:
-    """Overwrite ``variables`` (one tf.Variable or a list) with ``root_rank``'s values."""
-    single = isinstance(variables, tf.Variable)
+    """Overwrite ``variables`` (one tf.Variable or a list) with ``root_rank``'s values. Eagerly
+    it returns the variables; in a graph, as upstream, the assignments (running them in a
+    ``Session`` broadcasts, and gives the new values)."""
+    single = isinstance(variables, (tf.Variable, tf.compat.v1.Variable))
     vs = [variables] if single else list(variables)
-    broadcast_variables(vs, root_rank, process_set=process_set, name=name)
-    return variables if single else vs
+    assigned = _broadcast_assign(vs, root_rank, process_set, name)
+    if assigned is None:
+        return variables if single else vs
+    return assigned[0] if single else assigned
 
 
 @_no_autograph
@@ -420,8 +424,16 @@ def broadcast_variables(
     name: str | None = None,
 ) -> Any:
     """Assign ``root_rank``'s values to every variable in ``variables`` (one batch of
-    broadcasts, completed together)."""
-    vs = list(variables)
+    broadcasts, completed together). In a graph, the op that does it."""
+    assigned = _broadcast_assign(list(variables), root_rank, process_set, name)
+    return None if assigned is None else tf.group(*assigned)
+
+
+def _broadcast_assign(
+    vs: list[Any], root_rank: int, process_set: ProcessSet, name: str | None
+) -> list[Any] | None:
+    """Broadcast ``vs`` from ``root_rank`` and assign: done at once eagerly (None), else the
+    graph's assignments, one per variable."""
     if not vs:
         return None
     prefix = name or "broadcast_variables"
@@ -448,12 +460,12 @@ def broadcast_variables(
     values = _run(
         fn,
         [tf.convert_to_tensor(v) for v in vs],
-        [v.dtype for v in vs],
+        [tf.as_dtype(v.dtype).base_dtype for v in vs],
         "HorovodBroadcastVariables",
     )
     for v, x in zip(vs, values, strict=True):
         x.set_shape(v.shape)
-    return tf.group(*[v.assign(x) for v, x in zip(vs, values, strict=True)])
+    return [v.assign(x) for v, x in zip(vs, values, strict=True)]
 
 
 # ------------------------------------------------------------------------------- alltoall, reducescatter
