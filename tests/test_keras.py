@@ -42,6 +42,19 @@ h = model.fit(
 digest = hvd.allgather(np.array([sum(float(np.sum(w)) for w in model.get_weights())]))
 print("class", type(model.optimizer).__name__, "identical", len(set(digest.tolist())) == 1,
       "loss", h.history["loss"])
+
+# PartialDistributedOptimizer: the local layer's gradient stays local (divided by the number
+# of ranks, upstream's scale_local_gradients), the other is averaged.
+local = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+shared = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+local.build((None, 1))
+shared.build((None, 1))
+popt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[local])
+ops = getattr(keras, "ops", None)
+to_t = ops.convert_to_tensor if ops is not None else __import__("tensorflow").constant
+g = to_t(np.full((1, 1), hvd.rank() + 1.0, "float32"))
+popt.apply_gradients(zip([g, g], [local.kernel, shared.kernel]))
+print("partial", float(np.asarray(local.kernel).item()), float(np.asarray(shared.kernel).item()))
 """
 
 FLAVOURS = {
@@ -82,6 +95,9 @@ def test_model_fit_ends_with_identical_replicas(flavour):
     lines = re.findall(r"\[(\d)\]<stdout>:class SGD identical True loss (\[.*\])", out.stdout)
     assert len(lines) == 2, text[-4000:]
     assert lines[0][1] == lines[1][1]  # metrics averaged: the same on both ranks
+    partial = dict(re.findall(r"\[(\d)\]<stdout>:partial (\S+ \S+)", out.stdout))
+    # local: 1 - (rank + 1) / 2; shared: 1 - mean(1, 2)
+    assert partial == {"0": "0.5 -0.5", "1": "0.0 -0.5"}, text[-4000:]
 
 
 def test_keras2_backward_passes_per_step():
@@ -106,6 +122,14 @@ def step(g):
 for p in range(4):
     step(tf.constant([float(p + 1 + hvd.rank())]))
 print("module", type(opt).__mro__[1].__module__, "value", float(w.numpy()[0]))
+print("helper", type(opt._agg_helper).__name__)  # upstream's attribute
+
+# minimize goes through _compute_gradients (upstream's override), reduced once
+w2 = tf.Variable([1.0])
+opt2 = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+assert opt2._agg_helper is None
+opt2.minimize(lambda: w2 * float(hvd.rank() + 1), [w2])
+print("minimize", float(w2.numpy()[0]))
 """
     out = run_script(script, env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
@@ -113,3 +137,5 @@ print("module", type(opt).__mro__[1].__module__, "value", float(w.numpy()[0]))
     # 2 + 4 = 6 applied with lr 1
     values = re.findall(r"module tf_keras\S* value (\S+)", out.stdout)
     assert values == ["-6.0", "-6.0"], out.stdout
+    assert out.stdout.count("helper LocalGradientAggregationHelper") == 2, out.stdout
+    assert re.findall(r"minimize (\S+)", out.stdout) == ["-0.5", "-0.5"], out.stdout

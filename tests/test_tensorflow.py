@@ -525,7 +525,7 @@ def test_local_gradient_aggregation_helper_reduces_every_n_passes():
     from horovod.core.context import current
 
     def body(rank):
-        def reduce(values):
+        def reduce(values, variables=None):
             return hvd.grouped_allreduce(values, op=hvd.Average)
 
         out = {}

@@ -12,6 +12,7 @@ Must not touch: TensorFlow unless Keras runs on it; the engine (everything goes 
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import keras
@@ -58,11 +59,21 @@ def _contiguous(value: Any) -> np.ndarray:
     return a if a.flags.c_contiguous else a.copy()
 
 
-def _reduce_numpy(grads: list[Any], cfg: dict[str, Any]) -> list[Any]:
+def _reduce_numpy(
+    grads: list[Any], cfg: dict[str, Any], local: AbstractSet[int] = frozenset()
+) -> list[Any]:
+    """``grads`` reduced over the process set, but those at the indices ``local`` (gradients of
+    variables registered local), which are only divided by the set's size (upstream's
+    ``scale_local_gradients``)."""
     ps: ProcessSet = cfg["process_set"]
     if not ps.included() or ps.size() == 1:
         return grads
-    idx = [i for i, g in enumerate(grads) if g is not None]
+    out = list(grads)
+    if cfg["scale_local"]:
+        for i in local:
+            if grads[i] is not None:
+                out[i] = grads[i] / ps.size()
+    idx = [i for i, g in enumerate(grads) if g is not None and i not in local]
     arrays = [_contiguous(keras.ops.convert_to_numpy(grads[i])) for i in idx]
     packed = [cfg["compression"].compress(a) for a in arrays]
     pre, post = 1.0, 1.0
@@ -76,7 +87,6 @@ def _reduce_numpy(grads: list[Any], cfg: dict[str, Any]) -> list[Any]:
         process_set=ps,
         name=f"{cfg['name']}.grads",
     )
-    out = list(grads)
     for i, r, p in zip(idx, reduced, packed, strict=True):
         value = cfg["compression"].decompress(r, p[1])
         out[i] = keras.ops.convert_to_tensor(value, dtype=grads[i].dtype)
@@ -84,8 +94,20 @@ def _reduce_numpy(grads: list[Any], cfg: dict[str, Any]) -> list[Any]:
 
 
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
-    grads = _reduce_numpy(list(grads), self._hvd_cfg)
+    local: set[int] = set()
+    if self._hvd_local:
+        variables = list(
+            self._trainable_variables if trainable_variables is None else trainable_variables
+        )
+        local = {i for i, v in enumerate(variables) if id(v) in self._hvd_local}
+    grads = _reduce_numpy(list(grads), self._hvd_cfg, local)
     return self._hvd_base.apply(self, grads, trainable_variables)
+
+
+def _register_local_var(self: Any, var: Any) -> None:
+    """Keep ``var``'s gradient local (only divided by the number of ranks when
+    ``scale_local_gradients``)."""
+    self._hvd_local.add(id(var))
 
 
 def DistributedOptimizer(
@@ -100,6 +122,7 @@ def DistributedOptimizer(
     num_groups: int = 0,
     groups: Any = None,
     process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
 ) -> Any:
     """A copy of ``optimizer`` (same class name and config) that averages (``op=Sum``: sums)
     gradients over the ranks before applying them."""
@@ -114,6 +137,7 @@ def DistributedOptimizer(
             gradient_predivide_factor=gradient_predivide_factor,
             op=op,
             process_set=process_set,
+            scale_local_gradients=scale_local_gradients,
         )
     if op not in (Average, Sum):
         raise ValueError("op currently only supports Average and Sum")
@@ -125,6 +149,7 @@ def DistributedOptimizer(
         (base,),
         {
             "apply": _apply,
+            "register_local_var": _register_local_var,
             "_hvd_base": base,
             # saved models record these: loadable without Horovod
             "__module__": base.__module__,
@@ -138,8 +163,57 @@ def DistributedOptimizer(
         "predivide": gradient_predivide_factor,
         "process_set": process_set,
         "name": name or f"Distributed{base.__name__}",
+        "scale_local": scale_local_gradients,
     }
+    new._hvd_local = set()
     return new
+
+
+def PartialDistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = None,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: int = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """``DistributedOptimizer`` whose gradients of ``local_layers`` (Keras layers) stay
+    local: every other gradient is reduced over the ranks."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    if backward_passes_per_step != 1:
+        raise ValueError(
+            "backward_passes_per_step: use Keras's own gradient_accumulation_steps with "
+            "horovod.keras (or horovod.tensorflow.keras on the TensorFlow backend)"
+        )
+    opt = DistributedOptimizer(
+        optimizer,
+        name=name,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
 
 
 def broadcast_variables(variables: Any, root_rank: int, name: str | None = None) -> None:
@@ -222,6 +296,7 @@ __all__ = [
     "BACKEND",
     "Compression",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "Sum",
     "allgather",
     "allreduce",

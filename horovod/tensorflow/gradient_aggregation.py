@@ -20,7 +20,7 @@ class LocalGradientAggregationHelper:
     def __init__(
         self,
         backward_passes_per_step: int,
-        allreduce_func: Callable[[list[Any]], list[Any]],
+        allreduce_func: Callable[[list[Any], list[Any] | None], list[Any]],
         sparse_as_dense: bool = False,
         average_aggregated_gradients: bool = False,
         rank: int | None = None,
@@ -83,7 +83,9 @@ class LocalGradientAggregationHelper:
             values = [tf.identity(self.accumulators[i]) for i in present]  # type: ignore[union-attr]
             if self.average_aggregated_gradients:
                 values = [v / tf.cast(n, v.dtype) for v in values]
-            reduced = self.allreduce_func(values)
+            reduced = self.allreduce_func(
+                values, [variables[i] for i in present] if variables else None
+            )
             with tf.control_dependencies(reduced):
                 resets = [
                     self.accumulators[i].assign(tf.zeros_like(self.accumulators[i]))  # type: ignore[union-attr]

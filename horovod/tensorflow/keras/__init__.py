@@ -47,32 +47,46 @@ class _DistributedMixin:
     saved model loads without Horovod."""
 
     _hvd_cfg: dict[str, Any]  # set on each wrapped optimizer
+    _hvd_local: set[int]  # ids of the variables registered local
 
-    def _hvd_reduce(self, grads: list[Any]) -> list[Any]:
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: not reduced over the ranks, only divided by their
+        number when ``scale_local_gradients`` (upstream's default)."""
+        self._hvd_local.add(id(var))
+
+    def _hvd_reduce(self, grads: list[Any], variables: list[Any] | None = None) -> list[Any]:
         cfg = self._hvd_cfg
+        if self._hvd_local and variables is None:
+            variables = list(getattr(self, "_trainable_variables", None) or [])
+            if len(variables) != len(grads):
+                raise ValueError(
+                    "register_local_var: cannot tell which gradient belongs to which variable; "
+                    "pass the variables along with the gradients"
+                )
         return mpi_ops.reduce_gradients(
-            [None] * len(grads),
+            list(variables) if variables is not None else [None] * len(grads),
             grads,
             op=cfg["op"],
             compression=cfg["compression"],
             predivide=cfg["predivide"],
             sparse_as_dense=cfg["sparse_as_dense"],
             process_set=cfg["process_set"],
-            local_ids=set(),
-            scale_local=False,
+            local_ids=self._hvd_local,
+            scale_local=cfg["scale_local"],
             name=f"{cfg['name']}.grads",
             postscale=cfg["aggregate_scale"],
         )
 
 
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:  # Keras 3
-    grads = self._hvd_reduce(list(grads))
+    variables = None if trainable_variables is None else list(trainable_variables)
+    grads = self._hvd_reduce(list(grads), variables)
     return self._hvd_base.apply(self, grads, trainable_variables)
 
 
 def _update_step(self: Any, grads: Any, trainable_variables: Any, learning_rate: Any) -> Any:
     # Keras 3 gradient accumulation: called on update steps only, with the accumulated grads
-    grads = self._hvd_reduce(list(grads))
+    grads = self._hvd_reduce(list(grads), list(trainable_variables))
     return self._hvd_base._backend_update_step(self, grads, trainable_variables, learning_rate)
 
 
@@ -99,9 +113,16 @@ def _apply_gradients_aggregated(
     return self._hvd_agg.apply_gradients(apply)
 
 
+def _compute_gradients(
+    self: Any, loss: Any, var_list: Any, grad_loss: Any = None, tape: Any = None
+) -> Any:  # Keras 2: upstream's override (``minimize`` calls it); the local gradients
+    # (reduced once, in ``apply_gradients``)
+    return self._hvd_base._compute_gradients(self, loss, var_list, grad_loss=grad_loss, tape=tape)
+
+
 def _apply_gradients(self: Any, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:  # Keras 2
     pairs = list(grads_and_vars)
-    grads = self._hvd_reduce([g for g, _ in pairs])
+    grads = self._hvd_reduce([g for g, _ in pairs], [v for _, v in pairs])
     return self._hvd_base.apply_gradients(
         self, list(zip(grads, [v for _, v in pairs], strict=True)), *args, **kwargs
     )
@@ -157,6 +178,8 @@ def DistributedOptimizer(
         methods["apply_gradients"] = _apply_gradients_aggregated
     else:
         methods["apply_gradients"] = _apply_gradients
+    if not keras3 and hasattr(base, "_compute_gradients"):
+        methods["_compute_gradients"] = _compute_gradients
     cls: Any = type(base.__name__, (base,), methods)
     new = cls.from_config(config)
     new._hvd_cfg = {
@@ -167,9 +190,13 @@ def DistributedOptimizer(
         "process_set": process_set,
         "name": name or f"Distributed{base.__name__}",
         "aggregate_scale": aggregate_scale,
+        "scale_local": scale_local_gradients,
     }
+    new._hvd_local = set()
+    # upstream's attribute: the helper that aggregates backward passes (Keras 2), else None
+    new._agg_helper = None
     if not keras3 and backward_passes_per_step > 1:
-        new._hvd_agg = LocalGradientAggregationHelper(
+        new._hvd_agg = new._agg_helper = LocalGradientAggregationHelper(
             backward_passes_per_step,
             new._hvd_reduce,
             sparse_as_dense=sparse_as_dense,
@@ -177,6 +204,50 @@ def DistributedOptimizer(
             process_set=process_set,
         )
     return new
+
+
+def PartialDistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Any = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: int = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """``DistributedOptimizer`` whose gradients of ``local_layers`` (Keras layers) stay local:
+    every other gradient is reduced over the ranks."""
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, _keras().layers.Layer):
+        local_layers = [local_layers]
+    local_layers = list(local_layers)
+    if not all(isinstance(layer, _keras().layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    opt = DistributedOptimizer(
+        optimizer,
+        name=name,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
+    for layer in local_layers:
+        for var in layer.trainable_weights:
+            opt.register_local_var(var)
+    return opt
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
@@ -248,6 +319,7 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "PartialDistributedOptimizer",
     "ProcessSet",
     "Sum",
     "add_process_set",
