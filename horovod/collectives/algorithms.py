@@ -19,6 +19,7 @@ contract), framework tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,9 +32,33 @@ HIERARCHICAL_ALLREDUCE = False
 HIERARCHICAL_ALLGATHER = False
 
 
-def scale(buf: np.ndarray, factor: float) -> None:
+class Finish(NamedTuple):
+    """The end of an Average: ``* factor`` (a postscale factor, ``scale``'s numerics), then
+    ``/ divisor`` (the number of ranks) as a correctly rounded division in the buffer's type,
+    which is how the frameworks divide an average (upstream divides the sum in framework code:
+    a multiplication by a rounded 1/n is off by one bit for some values)."""
+
+    factor: float
+    divisor: int
+
+
+Post = float | Finish  # what a reduction's result is scaled by at the end
+
+
+def average_post(postscale: float, n: int) -> Post:
+    """The end of an Average over ``n`` ranks with ``postscale``."""
+    return Finish(postscale, n) if n > 1 else postscale
+
+
+def scale(buf: np.ndarray, factor: Post) -> None:
     """In-place ``buf *= factor`` with upstream's numerics: float math in the buffer's type
-    (float16 via float32), integers in float64 truncated toward zero."""
+    (float16 via float32), integers in float64 truncated toward zero. A ``Finish`` scales by
+    its factor, then divides by its divisor (floats correctly rounded, integers truncated
+    toward zero)."""
+    if isinstance(factor, Finish):
+        scale(buf, factor.factor)
+        _divide(buf, factor.divisor)
+        return
     if factor == 1.0 or buf.size == 0:
         return
     kind = buf.dtype.kind
@@ -45,7 +70,20 @@ def scale(buf: np.ndarray, factor: float) -> None:
         np.copyto(buf, buf.astype(np.float32) * np.float32(factor), casting="unsafe")
 
 
-def _scaled(op: Reducer, factor: float) -> Reducer:
+def _divide(buf: np.ndarray, n: int) -> None:
+    if n == 1 or buf.size == 0:
+        return
+    kind = buf.dtype.kind
+    if kind == "f" and buf.dtype.itemsize >= 4:
+        np.divide(buf, buf.dtype.type(n), out=buf)
+    elif kind in "iu":  # exact: the quotient truncated toward zero
+        q = np.abs(buf) // n
+        np.copyto(buf, np.where(buf < 0, -q, q), casting="unsafe")
+    else:  # float16, bfloat16: in float32 (exact enough that the rounding back is correct)
+        np.copyto(buf, buf.astype(np.float32) / np.float32(n), casting="unsafe")
+
+
+def _scaled(op: Reducer, factor: Post) -> Reducer:
     """``op`` followed by ``scale(out, factor)`` on what it wrote. The transports apply a
     reducer chunk by chunk as data arrives, so a ring's last reduce step scales each chunk
     while it is in cache, instead of a pass over the whole buffer afterwards (an average of
@@ -113,7 +151,7 @@ def _hosts(t) -> Hosts | None:
     return h
 
 
-def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: float = 1.0) -> None:
+def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: Post = 1.0) -> None:
     """In-place reduction of ``buf`` (flat) across all ranks of ``t``, the result scaled by
     ``post`` (``scale``; the ring scales each segment once, as its owner reduces it)."""
     n = t.size
@@ -181,7 +219,7 @@ def _allreduce_recursive_doubling(t, buf: np.ndarray, op: Reducer, scratch: Scra
 
 
 def _reduce_scatter_ring(
-    t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch, post: float = 1.0
+    t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch, post: Post = 1.0
 ) -> None:
     """After this, segment ``r`` of ``buf`` on rank ``r`` holds the reduction of segment r,
     scaled by ``post`` (in the last step, which reduces this rank's own segment)."""
@@ -213,7 +251,7 @@ def _allgather_ring(t, buf: np.ndarray, counts: Sequence[int]) -> None:
 
 
 def reduce_scatter(
-    t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch, post: float = 1.0
+    t, buf: np.ndarray, counts: Sequence[int], op: Reducer, scratch: Scratch, post: Post = 1.0
 ) -> np.ndarray:
     """Reduce ``buf`` (flat, segments of ``counts`` elements in rank order) and return this
     rank's reduced segment (a view into ``buf``), scaled by ``post``."""
@@ -274,7 +312,7 @@ def reduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, root: int) -> None
 
 
 def hierarchical_allreduce(
-    t, buf: np.ndarray, op: Reducer, scratch: Scratch, hosts: Hosts, post: float = 1.0
+    t, buf: np.ndarray, op: Reducer, scratch: Scratch, hosts: Hosts, post: Post = 1.0
 ) -> None:
     """Reduce within each host to its leader (shared memory), allreduce among the leaders
     (across hosts, scaled by ``post`` there), broadcast within each host. Every rank ends

@@ -2,7 +2,7 @@
 
 The coordinator's eager allreduce and the peer rounds fold every rank's part themselves; they
 must give the same bits as the data plane's algorithms: prescale, fold in rank order, postscale
-(Average divides by the set's size), integers truncated. Pure functions of arrays.
+(Average divides by the set's size, correctly rounded), integers truncated. Pure functions of arrays.
 
 Must not touch: transports, the engine's state.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from horovod.collectives.algorithms import average_post
 from horovod.core import ops
 from horovod.core.messages import (
     AVERAGE,
@@ -24,7 +25,7 @@ def fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
     ``nranks``), integers truncated. A new array."""
     reducer = ops.UFUNCS[resp.reduce_op]
     pre = resp.prescale
-    post = resp.postscale / nranks if resp.reduce_op == AVERAGE else resp.postscale
+    post = average_post(resp.postscale, nranks) if resp.reduce_op == AVERAGE else resp.postscale
     if pre != 1.0:
         parts = [p.copy() for p in parts]
         for p in parts:

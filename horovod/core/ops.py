@@ -119,7 +119,7 @@ def _allreduce(
     resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers, trace: Trace, kind: str
 ) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
-    post = resp.postscale / t.size if resp.reduce_op == AVERAGE else resp.postscale
+    post = alg.average_post(resp.postscale, t.size) if resp.reduce_op == AVERAGE else resp.postscale
     reducer = UFUNCS[resp.reduce_op]
     if len(entries) == 1:
         e = entries[0]
@@ -248,7 +248,7 @@ def _reducescatter(
 ) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
     n, me = t.size, t.rank
-    post = resp.postscale / n if resp.reduce_op == AVERAGE else resp.postscale
+    post = alg.average_post(resp.postscale, n) if resp.reduce_op == AVERAGE else resp.postscale
     row_counts = [alg.split_even(s[0], n) for s in resp.shapes]
     rows = [math.prod(s[1:]) for s in resp.shapes]
     seg = [sum(rc[r] * rows[i] for i, rc in enumerate(row_counts)) for r in range(n)]
