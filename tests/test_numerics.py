@@ -19,6 +19,7 @@ import horovod.numpy as hvd
 from horovod.testing import run_ranks
 
 FLOATS = [np.float32, np.float16, np.float64, ml_dtypes.bfloat16]
+INTS = [np.int32, np.int64]
 SMALL, LARGE = 1000, 70_000  # elements: direct algorithm / ring (above 128 KiB in every dtype)
 
 
@@ -60,7 +61,7 @@ def rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
     return acc
 
 
-@pytest.mark.parametrize("n", [3, 5])
+@pytest.mark.parametrize("n", [3, 4, 5])  # 4: a power of two multiplies by the exact 1/n
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_average_is_the_correctly_rounded_quotient_on_every_algorithm(n, dtype):
     sizes = {"direct": SMALL, "ring": LARGE}
@@ -101,8 +102,13 @@ def test_average_matches_torch_div():
         assert torch.equal(torch.from_numpy(got), torch.div(total, 3))
 
 
-@pytest.mark.parametrize("n", [3, 5])
-@pytest.mark.parametrize("dtype", FLOATS + [np.int32, np.int64], ids=lambda d: np.dtype(d).name)
+# 4 ranks sum by recursive doubling, not in rank order: integers only there (exact sums)
+SCALE_CASES = [(n, d) for n in (3, 4, 5) for d in FLOATS + INTS if n != 4 or d in INTS]
+
+
+@pytest.mark.parametrize(
+    "n, dtype", SCALE_CASES, ids=[f"{np.dtype(d).name}-{n}" for n, d in SCALE_CASES]
+)
 def test_scale_factors_as_upstream_on_allreduce_and_reducescatter(n, dtype):
     """Random data (direct algorithm: rank-order sums): prescale each rank's data, sum in rank
     order, postscale, and for Average divide, as upstream; every rank gets the same bits."""

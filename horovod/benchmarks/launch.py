@@ -69,7 +69,8 @@ def command(
     ``horovodrun``, ``torchrun`` (torch.distributed.run), ``mpirun`` or ``none`` (one plain
     process)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
-    me = [sys.executable, "-m", *module_args]
+    # a module, or a script by its path (a worker that a baseline checkout may not have)
+    me = [sys.executable, *([] if module_args[0].endswith(".py") else ["-m"]), *module_args]
     if launcher == "none":
         return me, env
     if launcher == "horovodrun":
