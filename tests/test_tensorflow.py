@@ -126,8 +126,9 @@ def test_gradients_through_collectives(size):
             np.testing.assert_allclose(db, [mean_k] * 2 if rank == 0 else [0.0] * 2)
             # alltoall (one row to each rank): row i went to rank i, scaled there by i + 1
             np.testing.assert_allclose(da, [[i + 1.0] * 2 for i in range(n)])
-            # reducescatter (Sum; row i to rank i): the allgather of every rank's gradient
-            np.testing.assert_allclose(drs, [[i + 1.0] * 2 for i in range(n)])
+            # reducescatter (Sum; row i to rank i): the allgather of every rank's gradient,
+            # times the set size for Sum (upstream's definition, as horovod.torch)
+            np.testing.assert_allclose(drs, [[n * (i + 1.0)] * 2 for i in range(n)])
             # grouped allgather: per tensor as allgather (mean of k, then mean of 1)
             np.testing.assert_allclose(dga, [mean_k + 1.0] * 2)
 

@@ -164,6 +164,57 @@ def test_autograd_through_collectives():
     assert rs0.tolist() == [2.0] * 4 and rs1.tolist() == [2.0] * 4
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_every_collectives_gradient_is_upstreams(n):
+    """Issue 38's audit, at 2 and 3 ranks: rank r scales each output by k = r + 1, so the
+    upstream gradient differs per rank. allreduce(Sum): the Sum of the k's; allgather and
+    grouped_allgather: this rank's rows of the averaged gradient; broadcast: the average on the
+    root, zeros elsewhere; alltoall: back along the received splits; reducescatter and
+    grouped_reducescatter (Sum): the allgather of the gradient times the set size; on a
+    process set the same formulas over its ranks."""
+
+    def body(rank):
+        k = rank + 1.0
+        w = torch.ones(n, 2, requires_grad=True)
+        grads = {}
+
+        def grad_of(key, out):
+            (out * k).sum().backward()
+            grads[key] = w.grad.clone()
+            w.grad = None
+
+        grad_of("allreduce", hvd.allreduce(w, op=hvd.Sum))
+        grad_of("allgather", hvd.allgather(w))
+        a, b = hvd.grouped_allgather([w, w * 2])
+        grad_of("grouped_allgather", torch.cat([a, b]))
+        grad_of("broadcast", hvd.broadcast(w, root_rank=0))
+        grad_of("alltoall", hvd.alltoall(w))
+        grad_of("reducescatter", hvd.reducescatter(w, op=hvd.Sum))
+        grad_of("grouped_reducescatter", torch.cat(hvd.grouped_reducescatter([w, w], op=hvd.Sum)))
+        if n > 2:
+            ps = hvd.add_process_set([0, n - 1])
+            if rank in (0, n - 1):
+                grad_of("allgather_ps", hvd.allgather(w, process_set=ps))
+            hvd.remove_process_set(ps)
+        return grads
+
+    ks = [r + 1.0 for r in range(n)]
+    mean = sum(ks) / n
+    for rank, g in enumerate(run_ranks(body, n, init_kwargs={"process_sets": "dynamic"})):
+        full = lambda v: torch.full((n, 2), float(v))  # noqa: E731
+        assert torch.equal(g["allreduce"], full(sum(ks)))
+        assert torch.equal(g["allgather"], full(mean))
+        assert torch.allclose(g["grouped_allgather"], full(mean * 3))  # w and 2w
+        assert torch.equal(g["broadcast"], full(mean if rank == 0 else 0.0))
+        # alltoall (one row to each rank): row i went to rank i, scaled there by i + 1
+        assert torch.equal(g["alltoall"], torch.tensor([[i + 1.0] * 2 for i in range(n)]))
+        want_rs = torch.tensor([[n * (i + 1.0)] * 2 for i in range(n)])
+        assert torch.equal(g["reducescatter"], want_rs)
+        assert torch.equal(g["grouped_reducescatter"], 2 * want_rs)
+        if n > 2 and rank in (0, n - 1):  # the average over the set's ranks only
+            assert torch.equal(g["allgather_ps"], full((1.0 + n) / 2))
+
+
 def test_errors_at_the_call():
     import threading
 

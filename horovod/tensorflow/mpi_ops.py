@@ -8,7 +8,8 @@ rank would wait for ever). Gradients are registered with ``tf.custom_gradient``,
 defines them: the gradient of an allreduce is the allreduce of the gradient, of an allgather
 this rank's rows of the averaged gradient, of a broadcast the averaged gradient on the root
 (zeros elsewhere), of an alltoall the alltoall of the gradient back with the received splits,
-of a reducescatter the allgather of the gradient (scaled alike).
+of a reducescatter the allgather of the gradient (times the set size for Sum, and the scale
+factors).
 
 Must not touch: the engine's internals (it submits through ``horovod.frontend``).
 """
@@ -575,10 +576,11 @@ def grouped_reducescatter(
             y.set_shape([None] + list(x.shape[1:]))
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            # the gradient of a reduce-scatter is the allgather of the gradient (scaled alike)
+            # upstream's: the allgather of the gradient, times the set size for Sum, times
+            # the scale factors (horovod.torch's too)
             scale = prescale_factor * postscale_factor
-            if op == AVERAGE:
-                scale /= process_set.size() or 1
+            if op == SUM:
+                scale *= process_set.size() or 1
             gathered = [
                 allgather(d, name=f"{name}.grad.{i}" if name else None, process_set=process_set)
                 for i, d in enumerate(dys)
