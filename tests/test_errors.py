@@ -376,3 +376,49 @@ def test_internal_error_mid_collective_fails_every_rank(monkeypatch):
         return "ok"
 
     assert run_ranks(body, 2, timeout=20) == ["ok", "ok"]
+
+
+def test_one_name_for_different_collectives_on_different_ranks_is_refused():
+    """Rank 1 calls allgather 'm' where ranks 0 and 2 call allreduce 'm': their core names
+    differ, so they would wait for each other for ever. Once they have waited the grace (a
+    tenth of the stall check, at least 0.5 s), every rank gets an error naming both calls, and
+    the job goes on."""
+    import time
+
+    def body(rank):
+        t0 = time.monotonic()
+        with pytest.raises(HorovodInternalError) as e:
+            (hvd.allgather if rank == 1 else hvd.allreduce)(np.ones(4), name="m")
+        took = time.monotonic() - t0
+        hvd.barrier()
+        return str(e.value), took
+
+    env = {"HOROVOD_STALL_CHECK_DISABLE": "0", "HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}
+    for message, took in run_ranks(body, 3, env=env):
+        assert has(
+            r"tensor 'm': ranks \[0, 2\] called allreduce at test_errors.py:\d+ in body; "
+            r"rank 1 called allgather at test_errors.py:\d+ in body\. Every rank must call "
+            "the same collective for the same name",
+            [message],
+        ), message
+        assert 0.4 < took < 5, took
+
+
+def test_one_name_for_two_collectives_in_different_orders_still_runs():
+    """The legitimate case the grace leaves alone: every rank submits an allreduce and an
+    allgather under one name, in opposite orders on different ranks, a moment apart."""
+    import time
+
+    def body(rank):
+        if rank == 0:
+            a = hvd.allreduce_async(np.ones(4), name="both")
+            time.sleep(0.2)
+            b = hvd.allgather_async(np.ones((1, 2)), name="both")
+        else:
+            b = hvd.allgather_async(np.ones((1, 2)), name="both")
+            time.sleep(0.2)
+            a = hvd.allreduce_async(np.ones(4), name="both")
+        return hvd.synchronize(a).tolist(), hvd.synchronize(b).shape
+
+    for reduced, shape in run_ranks(body, 3, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}):
+        assert reduced == [1.0] * 4 and shape == (3, 2)

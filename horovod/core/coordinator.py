@@ -36,7 +36,7 @@ from horovod.core.messages import (
 from horovod.core.numerics import fold
 from horovod.core.pending import Built, Pending
 from horovod.core.set_state import SetState
-from horovod.core.stall import Diagnosis, StallInspector
+from horovod.core.stall import Diagnosis, StallInspector, crossed_grace
 from horovod.core.timeline import timeline_row
 from horovod.core.validation import REFUSED_WHILE_JOINED, validate
 
@@ -79,6 +79,8 @@ class Coordinator(StallInspector):
         self.arrivals: list[dict[int, float]] = []  # for self.waits, not yet recorded
         self.eager_left = 0  # bytes of eager results the list being built may still carry
         self.paused = False  # rank 0 has a plane round open: no list is emitted meanwhile
+        self.next_crossed = 0.0  # the next look for crossed collectives (``_crossed``)
+        self.crossed_grace = crossed_grace(stall_check)
 
     def on_message(self, peer: int, msg: tuple) -> None:
         tag = msg[0]
@@ -228,6 +230,8 @@ class Coordinator(StallInspector):
             waits.append(max(0.0, self._hold_until() - now))
         if self.next_stall != float("inf") and any(self.tables.values()):
             waits.append(max(0.0, self.next_stall - now))
+        if self.partial > 0:  # the look for crossed collectives (``_crossed``)
+            waits.append(max(0.0, self.next_crossed - now))
         if self.diagnosis is not None:
             waits.append(max(0.0, self.diagnosis.deadline - now))
         return min(waits) if waits else None
@@ -245,12 +249,17 @@ class Coordinator(StallInspector):
             self._finish_diagnosis(now)
         if self.wait_period > 0 and now - self.waits.start >= self.wait_period:
             self.report_waits(now)
-        if self.paused or (not self.ready and self.shutdown_why is None):
+        crossed: list[Built] = []
+        if self.partial > 0 and now >= self.next_crossed:
+            self.next_crossed = now + self.crossed_grace / 2
+            if not self.paused:
+                crossed = self._crossed(now)
+        if self.paused or (not self.ready and not crossed and self.shutdown_why is None):
             return None
-        if now < self._hold_until():
+        if now < self._hold_until() and not crossed:
             return None
         self.eager_left = e.eager_bytes  # what this list may carry reduced (small messages)
-        built = [self._build(ps_id, name) for ps_id, name in self.ready]
+        built = [self._build(ps_id, name) for ps_id, name in self.ready] + crossed
         self.ready = []
         if self.shutdown_why is not None:
             built.extend(self._orphans())

@@ -41,6 +41,16 @@ if TYPE_CHECKING:
 STACK_WAIT_SECONDS = 2.0  # how long the hang doctor waits for ranks to send their stacks
 
 
+def crossed_grace(stall_check: float) -> float:
+    """How long two collectives of one user name but different kinds (rank 0's allgather
+    'm', rank 1's allreduce 'm') may wait, each for exactly the ranks that called the other,
+    before they are refused as a mismatch rather than left to the stall check (their core
+    names differ, so they never meet): a tenth of HOROVOD_STALL_CHECK_TIME_SECONDS, from 0.5 to
+    5 s. A program that uses one name for two kinds at once, submitting them in different
+    orders on different ranks, meets well within that."""
+    return min(5.0, max(0.5, stall_check / 10)) if stall_check > 0 else 5.0
+
+
 class Stalled:
     """One collective the stall inspector found waiting for some ranks."""
 
@@ -85,6 +95,7 @@ class StallInspector:
     # Its own state (set up by the coordinator)
     stall_check: float
     stall_shutdown: float
+    crossed_grace: float
     next_stall: float
     diagnosis: Diagnosis | None
     tokens: int
@@ -135,6 +146,40 @@ class StallInspector:
                         None,
                     )
                 )
+        return out
+
+    def _crossed(self, now: float) -> list[Built]:
+        """Collectives under one user name but of different kinds, waiting longer than
+        ``crossed_grace`` each for exactly the ranks that called another of them:
+        every rank called one of them, so none can ever complete. Each is refused (removed,
+        an ERROR response for its callers) with a message naming both calls."""
+        groups: dict[tuple[int, str], list[tuple[str, Pending]]] = {}
+        for ps_id, table in self.tables.items():
+            for name, p in table.items():
+                kind, _, user = name.partition(".")
+                if user and not p.ready and p.reqs and now - p.t0 >= self.crossed_grace:
+                    groups.setdefault((ps_id, user), []).append((name, p))
+        out: list[Built] = []
+        for (ps_id, user), pends in groups.items():
+            ss = self.e.sets.get(ps_id)
+            if len(pends) < 2 or ss is None:
+                continue
+            callers = [set(p.reqs) for _, p in pends]
+            everyone = {r for r in ss.ranks if ps_id != 0 or r not in self.joined}
+            if sum(map(len, callers)) != len(everyone) or set().union(*callers) != everyone:
+                continue  # overlapping callers, or some rank has called none yet
+            calls = "; ".join(
+                f"{ranks_text(sorted(p.reqs))} called {name.partition('.')[0]}{self._sites(p, {})}"
+                for name, p in pends
+            )
+            text = (
+                f"tensor '{user}': {calls}. Every rank must call the same collective for the "
+                "same name (or give different collectives different names)"
+            )
+            for name, _ in pends:
+                del self.tables[ps_id][name]
+                self.partial -= 1
+                out.append((Response(ERROR, ps_id, [name], error=text), None, None))
         return out
 
     def _unfinished(self, now: float) -> list[Stalled]:
