@@ -37,6 +37,7 @@ from horovod.frontend import (
     stop_timeline,
 )
 from horovod.keras import callbacks, elastic
+from horovod.keras_common.local import local_weights
 
 BACKEND = keras.backend.backend()
 
@@ -187,13 +188,7 @@ def PartialDistributedOptimizer(
 ) -> Any:
     """``DistributedOptimizer`` whose gradients of ``local_layers`` (Keras layers) stay
     local: every other gradient is reduced over the ranks."""
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    local_layers = list(local_layers)
-    if not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("All local layers must be of keras.layers.Layer type.")
+    weights = local_weights(local_layers, keras.layers.Layer, "keras.layers.Layer")
     if backward_passes_per_step != 1:
         raise ValueError(
             "backward_passes_per_step: use Keras's own gradient_accumulation_steps with "
@@ -210,9 +205,8 @@ def PartialDistributedOptimizer(
         process_set=process_set,
         scale_local_gradients=scale_local_gradients,
     )
-    for layer in local_layers:
-        for var in layer.trainable_weights:
-            opt.register_local_var(var)
+    for var in weights:
+        opt.register_local_var(var)
     return opt
 
 

@@ -43,6 +43,7 @@ from horovod.frontend import (
     start_timeline,
     stop_timeline,
 )
+from horovod.keras_common.local import local_weights
 from horovod.tensorflow import elastic, util
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
@@ -217,9 +218,8 @@ def PartialDistributedGradientTape(
         process_set,
         scale_local_gradients,
     )
-    for layer in local_layers or []:
-        for w in layer.trainable_weights:
-            tape.register_local_source(w)  # type: ignore[attr-defined]
+    for w in local_weights(local_layers, tf.keras.layers.Layer, "tf.keras.layers.Layer"):
+        tape.register_local_source(w)  # type: ignore[attr-defined]
     return tape
 
 

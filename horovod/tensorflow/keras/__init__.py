@@ -30,6 +30,7 @@ from horovod.frontend import (
     start_timeline,
     stop_timeline,
 )
+from horovod.keras_common.local import local_weights
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
@@ -224,13 +225,7 @@ def PartialDistributedOptimizer(
 ) -> Any:
     """``DistributedOptimizer`` whose gradients of ``local_layers`` (Keras layers) stay local:
     every other gradient is reduced over the ranks."""
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, _keras().layers.Layer):
-        local_layers = [local_layers]
-    local_layers = list(local_layers)
-    if not all(isinstance(layer, _keras().layers.Layer) for layer in local_layers):
-        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    weights = local_weights(local_layers, _keras().layers.Layer, "tf.keras.layers.Layer")
     opt = DistributedOptimizer(
         optimizer,
         name=name,
@@ -244,9 +239,8 @@ def PartialDistributedOptimizer(
         process_set=process_set,
         scale_local_gradients=scale_local_gradients,
     )
-    for layer in local_layers:
-        for var in layer.trainable_weights:
-            opt.register_local_var(var)
+    for var in weights:
+        opt.register_local_var(var)
     return opt
 
 
