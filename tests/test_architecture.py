@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "keras_common": {"common", "frontend", "elastic"},
     "torch": {"common", "core", "frontend", "elastic"},
     "tensorflow": {"common", "core", "frontend", "keras_common", "elastic"},
+    "jax": {"common", "frontend"},
     # Keras 3 on the TensorFlow backend uses horovod.tensorflow's compression
     "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "elastic"},
     # beside the stack: the launcher never imports the training runtime
