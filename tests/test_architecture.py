@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "tensorflow": {"common", "core", "frontend", "keras_common", "elastic"},
     "jax": {"common", "frontend"},
     # Keras 3 on the TensorFlow backend uses horovod.tensorflow's compression
-    "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "elastic"},
+    "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "jax", "elastic"},
     # beside the stack: the launcher never imports the training runtime
     "runner": {"common", "rendezvous", "__version__"},
     # tools on top: nothing in the runtime imports them (no layer above lists them)

@@ -65,6 +65,13 @@ FLAVOURS = {
         {"KERAS_BACKEND": "torch"},
         ("keras", "torch"),
     ),
+    "keras3-jax": (  # Keras's default jit-compiled train step (jit_compile="auto")
+        "horovod.keras",
+        "import keras",
+        "keras.utils.set_random_seed(hvd.rank())",
+        {"KERAS_BACKEND": "jax"},
+        ("keras", "jax"),
+    ),
     "keras3-tensorflow": (
         "horovod.keras",
         "import keras",

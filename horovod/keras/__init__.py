@@ -2,9 +2,9 @@
 (tensorflow, torch, jax).
 
 With the TensorFlow backend everything is ``horovod.tensorflow.keras`` (graph-capable). With the
-other backends gradients are reduced through NumPy in the optimizer's ``apply``, which Keras's
-torch trainer runs eagerly (a jit-compiled JAX train step cannot call out to Python: use
-``model.compile(jit_compile=False)`` with JAX).
+JAX backend gradients are reduced by ``horovod.jax`` in the optimizer's ``apply``, inside Keras's
+jit-compiled train step too (ordered host callbacks). With torch they are reduced through NumPy
+in ``apply``, which Keras's torch trainer runs eagerly.
 
 Must not touch: TensorFlow unless Keras runs on it; the engine (everything goes through
 ``horovod.frontend``).
@@ -94,6 +94,42 @@ def _reduce_numpy(
     return out
 
 
+def _reduce_jax(grads: list[Any], cfg: dict[str, Any], local: AbstractSet[int]) -> list[Any]:
+    """``_reduce_numpy`` for the JAX backend: ``horovod.jax``'s grouped allreduce, which works
+    on traced arrays (Keras's jit-compiled train step) as well as eagerly."""
+    import jax.numpy as jnp
+
+    from horovod.jax.mpi_ops import grouped_allreduce
+
+    ps: ProcessSet = cfg["process_set"]
+    if not ps.included() or ps.size() == 1:
+        return grads
+    out = list(grads)
+    if cfg["scale_local"]:
+        for i in local:
+            if grads[i] is not None:
+                out[i] = grads[i] / ps.size()
+    idx = [i for i, g in enumerate(grads) if g is not None and i not in local]
+    wire = {_Compression.fp16: jnp.float16, _Compression.bf16: jnp.bfloat16}.get(
+        cfg["compression"]
+    )
+    sent = [grads[i].astype(wire) if wire is not None else grads[i] for i in idx]
+    pre, post = 1.0, 1.0
+    if cfg["op"] == Average and cfg["predivide"] != 1.0:
+        pre, post = 1.0 / cfg["predivide"], cfg["predivide"]
+    reduced = grouped_allreduce(
+        sent,
+        op=cfg["op"],
+        prescale_factor=pre,
+        postscale_factor=post,
+        process_set=ps,
+        name=f"{cfg['name']}.grads",
+    )
+    for i, r in zip(idx, reduced, strict=True):
+        out[i] = r.astype(grads[i].dtype)
+    return out
+
+
 def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
     local: set[int] = set()
     if self._hvd_local:
@@ -101,7 +137,8 @@ def _apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
             self._trainable_variables if trainable_variables is None else trainable_variables
         )
         local = {i for i, v in enumerate(variables) if id(v) in self._hvd_local}
-    grads = _reduce_numpy(list(grads), self._hvd_cfg, local)
+    reduce = _reduce_jax if BACKEND == "jax" else _reduce_numpy
+    grads = reduce(list(grads), self._hvd_cfg, local)
     return self._hvd_base.apply(self, grads, trainable_variables)
 
 
