@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "torch": {"common", "core", "frontend", "elastic"},
     "tensorflow": {"common", "core", "frontend", "keras_common", "elastic"},
     "jax": {"common", "frontend"},
+    "mxnet": {"common", "frontend"},
     # Keras 3 on the TensorFlow backend uses horovod.tensorflow's compression
     "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "jax", "elastic"},
     # beside the stack: the launcher never imports the training runtime
