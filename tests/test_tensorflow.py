@@ -311,6 +311,33 @@ def test_sync_batch_normalization_takes_upstreams_fused_argument():
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_collectives_inside_xla_say_what_to_do():
+    """XLA cannot call back into Python: a collective (or DistributedGradientTape) inside
+    tf.function(jit_compile=True) fails at tracing with what to do instead."""
+
+    def body(rank):
+        w = tf.Variable([1.0, 2.0])
+
+        @tf.function(jit_compile=True)
+        def reduce(x):
+            return hvd.allreduce(x)
+
+        @tf.function(jit_compile=True)
+        def tape_step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * w)
+            return hvd.DistributedGradientTape(tape).gradient(loss, [w])
+
+        for fn, args in ((reduce, (tf.ones(2),)), (tape_step, ())):
+            with pytest.raises(ValueError, match="cannot run inside an XLA-compiled function"):
+                fn(*args)
+        # the pattern that works: the model's part compiled, the reduction outside it
+        grads = tf.function(jit_compile=True)(lambda: 2.0 * w)()
+        return hvd.allreduce(grads, op=hvd.Sum).numpy().tolist()
+
+    assert run_ranks(body, 2) == [[4.0, 8.0]] * 2
+
+
 def line_of(marker: str) -> int:
     from pathlib import Path
 

@@ -72,6 +72,15 @@ def _run(
         except (ValueError, TypeError) as e:  # a bad argument, such as a root rank
             raise tf.errors.InvalidArgumentError(None, None, str(e)) from e
         return [_to_tensor(o, d) for o, d in zip(outs, touts, strict=True)]
+    if _in_xla(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            f"{op_name}: Horovod's collectives cannot run inside an XLA-compiled function "
+            "(tf.function(jit_compile=True)): XLA cannot call back into Python. Compile the "
+            "model's computation with XLA and call the collective (or "
+            "DistributedGradientTape.gradient) outside it; with Keras, "
+            "model.compile(jit_compile=False) (its default, 'auto', compiles only where a GPU "
+            "is present)"
+        )
     bound = _context.bind(fn)
 
     def np_fn(*arrays: np.ndarray) -> list[np.ndarray]:
@@ -83,6 +92,15 @@ def _run(
     outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
     _last_op[graph] = outs[:1]
     return outs
+
+
+def _in_xla(graph: Any) -> bool:
+    """Is ``graph`` being traced for XLA (``tf.function(jit_compile=True)``)?"""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - a TensorFlow without the module: cannot tell
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
 
 
 def _to_tensor(value: Any, dtype: tf.DType) -> tf.Tensor:
