@@ -201,3 +201,21 @@ def test_example_trains_identical_replicas_under_horovodrun():
     assert "replicas identical: True" in r.stdout and "[0]<stdout>:test accuracy" in r.stdout, (
         r.stdout
     )
+
+
+@pytest.mark.e2e
+def test_training_benchmark_runs_every_configuration():
+    """``python -m horovod.benchmarks.jax_training``: plain JAX, horovod.jax at 1 and 2 ranks
+    and jax.distributed at 2 processes, one table row with a figure in every cell."""
+    from conftest import run_module
+
+    r = run_module(
+        "horovod.benchmarks.jax_training",
+        *("--models", "mlp", "--steps", "3", "--warmup", "1", "--repeats", "1"),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = next(line for line in r.stdout.splitlines() if line.startswith("| mlp |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 10 and all(float(c) > 0 for c in cells[1:6]), row
+    assert cells[6].endswith("%") and cells[9].endswith("x"), row

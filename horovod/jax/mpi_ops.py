@@ -65,8 +65,16 @@ def _set_rank(ps: ProcessSet) -> int:
 
 
 # ------------------------------------------------------------------------------- allreduce
+def _alone(ps: ProcessSet, pre: float, post: float) -> bool:
+    """A reduction over one rank without scale factors is the identity: no host callback
+    (one costs about half a millisecond per step under ``jit``)."""
+    return pre == 1.0 and post == 1.0 and _set_size(ps) == 1
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _allreduce(x: Any, op: int, pre: float, post: float, name: Any, ps: ProcessSet) -> Any:
+    if _alone(ps, pre, post):
+        return x
     return _run(
         lambda a: [
             F.allreduce(
@@ -108,6 +116,8 @@ def allreduce(
 
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _grouped_allreduce(xs: tuple, op: int, pre: float, post: float, name: Any, ps: Any) -> tuple:
+    if _alone(ps, pre, post):
+        return tuple(xs)
     outs = _run(
         lambda *arrays: F.grouped_allreduce(
             list(arrays),
