@@ -193,10 +193,13 @@ def test_allgather_under_jit_needs_the_same_rows_everywhere():
 
 
 @pytest.mark.e2e
-def test_example_trains_identical_replicas_under_horovodrun():
+@pytest.mark.parametrize("example", ["jax_digits.py", "flax_nnx_digits.py"])
+def test_example_trains_identical_replicas_under_horovodrun(example):
     from conftest import horovodrun_example
 
-    r = horovodrun_example(2, "jax_digits.py", "--epochs", "3", timeout=240)
+    if example.startswith("flax"):
+        pytest.importorskip("flax.nnx")
+    r = horovodrun_example(2, example, "--epochs", "3", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "replicas identical: True" in r.stdout and "[0]<stdout>:test accuracy" in r.stdout, (
         r.stdout
