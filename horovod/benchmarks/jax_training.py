@@ -118,12 +118,6 @@ def worker(
         jax.distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(n: int, argvs: list[list[str]], what: str) -> None:
     """Run ``n`` processes at once (``python -m`` each of ``argvs``); LaunchFailed with their
     errors if any fails or hangs."""
@@ -162,7 +156,7 @@ def run(kind: str, np_: int, model: str, steps: int, warmup: int, batch: int) ->
     ]
     try:
         if kind == "jaxdist":
-            port = str(_free_port())
+            port = str(launch.free_port())
             extra = [[*argvs[0], "--extra", str(np_), str(r), port] for r in range(np_)]
             _spawn(np_, extra, "jax.distributed processes")
             outs = outs[:1]  # (process 0 writes the figure)

@@ -38,6 +38,32 @@ def _write(tensor: Any, result: np.ndarray) -> Any:
     return tensor
 
 
+def _reduced(
+    tensors: Sequence[Any],
+    what: str,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> list[np.ndarray]:
+    """The allreduce every form here runs (NumPy results): one tensor's under its own name,
+    several as a group."""
+    kw = dict(
+        average=average,
+        name=name,
+        op=op,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+        process_set=process_set,
+    )
+    arrays = [_array(t, what) for t in tensors]
+    if what.startswith("grouped"):
+        return F.grouped_allreduce(arrays, **kw)  # type: ignore[arg-type]
+    return [F.allreduce(arrays[0], **kw)]  # type: ignore[arg-type]
+
+
 def allreduce(
     tensor: Any,
     average: bool | None = None,
@@ -49,16 +75,8 @@ def allreduce(
     op: int | None = None,
 ) -> Any:
     """A new NDArray: ``tensor`` reduced over the ranks (Average by default)."""
-    out = F.allreduce(
-        _array(tensor, "allreduce"),
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
-    return _like(out, tensor)
+    args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    return _like(_reduced([tensor], "allreduce", *args)[0], tensor)
 
 
 def allreduce_(
@@ -72,16 +90,8 @@ def allreduce_(
     op: int | None = None,
 ) -> Any:
     """``allreduce`` written into ``tensor``; returns it."""
-    out = F.allreduce(
-        _array(tensor, "allreduce_"),
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
-    return _write(tensor, out)
+    args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    return _write(tensor, _reduced([tensor], "allreduce_", *args)[0])
 
 
 def grouped_allreduce(
@@ -94,15 +104,8 @@ def grouped_allreduce(
     process_set: ProcessSet = global_process_set,
     op: int | None = None,
 ) -> list[Any]:
-    outs = F.grouped_allreduce(
-        [_array(t, "grouped_allreduce") for t in tensors],
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
+    args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    outs = _reduced(tensors, "grouped_allreduce", *args)
     return [_like(o, t) for o, t in zip(outs, tensors, strict=True)]
 
 
@@ -116,15 +119,8 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
     op: int | None = None,
 ) -> list[Any]:
-    outs = F.grouped_allreduce(
-        [_array(t, "grouped_allreduce_") for t in tensors],
-        average=average,
-        name=name,
-        op=op,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        process_set=process_set,
-    )
+    args = (average, name, op, prescale_factor, postscale_factor, process_set)
+    outs = _reduced(tensors, "grouped_allreduce_", *args)
     return [_write(t, o) for o, t in zip(outs, tensors, strict=True)]
 
 
