@@ -84,9 +84,50 @@ def test_argument_errors():
         horovod.run(print, hosts="localhost:1", hostfile="h")
     with pytest.raises(ValueError, match="use_gloo and use_mpi"):
         horovod.run(print, use_gloo=True, use_mpi=True)
-    with pytest.raises(TypeError, match="min_num_proc"):
-        horovod.run(print, min_num_proc=1)
+    with pytest.raises(TypeError, match="unexpected arguments no_such_flag"):
+        horovod.run(print, no_such_flag=1)
     with pytest.raises(TypeError, match="callable"):
         horovod.run(42)
     with pytest.warns(DeprecationWarning, match="num_proc"):
         assert horovod.run(lambda: sys.version_info[0], np=1) == [3]
+
+
+def _elastic_train(marker: str):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    state = hvd.elastic.ObjectState(step=0)
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < 20:
+            hvd.allreduce(np.ones(2), name="x")
+            if state.step == 5 and hvd.rank() == 1 and not os.path.exists(marker):
+                open(marker, "w").close()
+                os._exit(1)  # a worker dies mid-training, once
+            state.step += 1
+            state.commit()
+        return state.step
+
+    steps = loop(state)
+    return hvd.rank(), hvd.size(), steps
+
+
+def test_elastic_run_survives_a_lost_worker_and_returns_the_last_rounds_values(tmp_path):
+    """horovod.run with min_num_proc: the function (using hvd.elastic.run) survives losing
+    a worker; the values are those of the last round's ranks, in rank order."""
+    results = horovod.run(
+        _elastic_train,
+        args=(str(tmp_path / "killed"),),
+        num_proc=2,
+        min_num_proc=1,
+        max_num_proc=2,
+        hosts="localhost:2",
+    )
+    assert (tmp_path / "killed").exists()
+    assert results, results
+    size = results[0][1]
+    assert [r[0] for r in results] == list(range(size)) and all(r[1] == size for r in results)
+    assert all(r[2] == 20 for r in results), results  # every rank finished the 20 steps

@@ -459,7 +459,10 @@ def main(
 
     if elastic:
         try:
-            return run_elastic(a, server, discovery, make_command, base, grace, secret)
+            status = run_elastic(a, server, discovery, make_command, base, grace, secret)
+            if harvest is not None:
+                harvest(server)
+            return status
         finally:
             server.stop()
     commands = [make_command(s.hostname, s.rank, s.env()) for s in slots]

@@ -54,10 +54,32 @@ def run(
     executable: str | None = None,
     np: int | None = None,
     network_interface: str | None = None,
-    **elastic: Any,
+    min_num_proc: int | None = None,
+    max_num_proc: int | None = None,
+    slots: int | None = None,
+    reset_limit: int | None = None,
+    cooldown_range: tuple[int, int] | None = None,
+    elastic_timeout: float | None = None,
+    host_discovery_script: str | None = None,
+    min_np: int | None = None,
+    max_np: int | None = None,
+    **unknown: Any,
 ) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``num_proc`` ranks (``hosts``/``hostfile`` as for
-    horovodrun, default all on this host) and return the values in rank order."""
+    horovodrun, default all on this host) and return the values in rank order.
+
+    Elastic (``min_num_proc`` or ``host_discovery_script``, with ``max_num_proc``, ``slots``,
+    ``reset_limit``, ``cooldown_range``, ``elastic_timeout`` as horovodrun's flags): ``func``
+    runs under the elastic driver (it should use ``hvd.elastic.run`` to recover), and the values
+    are those of the ranks of the last round, in rank order."""
+    if unknown:
+        raise TypeError(f"horovod.run: unexpected arguments {', '.join(sorted(unknown))}")
+    if min_np is not None:
+        warnings.warn("min_np is deprecated, use min_num_proc", DeprecationWarning, stacklevel=2)
+        min_num_proc = min_num_proc if min_num_proc is not None else min_np
+    if max_np is not None:
+        warnings.warn("max_np is deprecated, use max_num_proc", DeprecationWarning, stacklevel=2)
+        max_num_proc = max_num_proc if max_num_proc is not None else max_np
     if np is not None:
         warnings.warn("np is deprecated, use num_proc", DeprecationWarning, stacklevel=2)
         num_proc = num_proc if num_proc is not None else np
@@ -74,14 +96,9 @@ def run(
         raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
     if use_mpi or mpi_args:
         raise ValueError("use_mpi/mpi_args: MPI is not available in this build; leave them unset")
-    unsupported = sorted(k for k, v in elastic.items() if v is not None)
-    if unsupported:
-        raise TypeError(
-            f"horovod.run: {', '.join(unsupported)} not supported yet (elastic runs and host "
-            "discovery are not implemented in this version)"
-        )
+    elastic = min_num_proc is not None or host_discovery_script is not None
     if num_proc is None:
-        num_proc = 1
+        num_proc = min_num_proc if elastic and min_num_proc is not None else 1
     if not callable(func):
         raise TypeError(f"horovod.run: func must be callable, got {type(func).__name__}")
     argv = ["-np", str(num_proc)]
@@ -102,6 +119,18 @@ def run(
     if network_interfaces:
         nics = network_interfaces
         argv += ["--network-interfaces", nics if isinstance(nics, str) else ",".join(nics)]
+    for flag, value in (
+        ("--min-np", min_num_proc),
+        ("--max-np", max_num_proc),
+        ("--slots", slots),
+        ("--reset-limit", reset_limit),
+        ("--elastic-timeout", elastic_timeout),
+        ("--host-discovery-script", host_discovery_script),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    if cooldown_range is not None:
+        argv += ["--blacklist-cooldown-range", str(cooldown_range[0]), str(cooldown_range[1])]
     argv += [executable or sys.executable, "-m", "horovod.runner.run_task"]
     from horovod.runner.launch import main
 
@@ -110,14 +139,35 @@ def run(
     func_blob = cloudpickle.dumps((func, tuple(args), dict(kwargs or {})))
     results: dict[int, tuple] = {}
 
+    most = max(num_proc, max_num_proc or 0) if not elastic or max_num_proc else None
+
     def harvest(server) -> None:
-        for rank in range(num_proc):
+        rank = 0
+        while most is None or rank < most:  # (elastic without a maximum: up to the first gap)
             raw = server.get(RESULT_SCOPE, str(rank))
             if raw is not None:
                 results[rank] = cloudpickle.loads(raw)
+            elif most is None:
+                break
+            rank += 1
 
     status = main(argv, seed={(FUNC_SCOPE, "func"): func_blob}, harvest=harvest)
+    if elastic:
+        return _collect_elastic(results, status)
     return _collect(results, num_proc, status)
+
+
+def _collect_elastic(results: dict[int, tuple], status: int) -> list[Any]:
+    """The values of the ranks of the last round that returned (each ``ok`` result records
+    its round and size); a failure of the job, or of that round's ranks, as ``_collect``."""
+    ok = [r for r in results.values() if r[0] == "ok"]
+    if status == 0 and ok:
+        last = max(r[2] for r in ok)
+        final = {rank: r for rank, r in results.items() if r[0] == "ok" and r[2] == last}
+        size = next(iter(final.values()))[3]
+        if sorted(final) == list(range(size)):
+            return [final[rank][1] for rank in range(size)]
+    return _collect(results, max(results, default=-1) + 1, status)
 
 
 def _collect(results: dict[int, tuple], n: int, status: int) -> list[Any]:

@@ -1,8 +1,9 @@
 """Worker side of ``horovod.run``: ``python -m horovod.runner.run_task``.
 
 Fetches the cloudpickled ``(func, args, kwargs)`` from the job's rendezvous store (scope
-``runfunc``, key ``func``), calls it, and stores ``("ok", value)`` or ``("error", exception,
-traceback text, time)`` under scope ``runfunc_result``, key ``<rank>``. An exception is
+``runfunc``, key ``func``), calls it, and stores ``("ok", value, elastic round, size)`` or
+``("error", exception, traceback text, time)`` under scope ``runfunc_result``, key ``<rank>``
+(the rank after the call: in elastic jobs, the rank of the last round). An exception is
 re-raised after it is recorded, so the rank fails and horovodrun stops the job as for any
 failing worker.
 
@@ -20,10 +21,23 @@ import cloudpickle
 
 
 def _rank() -> int:
-    for var in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
-        if os.environ.get(var, "").strip():
-            return int(os.environ[var])
-    return 0
+    """This process's rank (horovodrun's, an MPI or PMI launcher's variables)."""
+    from horovod.common.config import env_rank_and_size
+
+    return env_rank_and_size()[0]
+
+
+def _round() -> int:
+    """The elastic round this worker last joined (0 outside elastic jobs)."""
+    from horovod.common.config import setting
+
+    return int(setting("elastic_round", os.environ))
+
+
+def _size() -> int:
+    from horovod.common.config import env_rank_and_size
+
+    return env_rank_and_size()[1]
 
 
 def _store():
@@ -42,7 +56,6 @@ def _store():
 def main(argv: list[str]) -> int:
     from horovod.runner.run_func import FUNC_SCOPE, RESULT_SCOPE
 
-    rank = _rank()
     store = _store()
     blob = store.get(FUNC_SCOPE, "func")
     if blob is None:
@@ -50,7 +63,9 @@ def main(argv: list[str]) -> int:
     func, args, kwargs = cloudpickle.loads(blob)
 
     def _write(value: object) -> None:
-        store.set(RESULT_SCOPE, str(rank), cloudpickle.dumps(value))
+        # (the rank after the call: an elastic worker gets its rank, again at every reset,
+        # when its function calls hvd.init())
+        store.set(RESULT_SCOPE, str(_rank()), cloudpickle.dumps(value))
 
     try:
         value = func(*args, **kwargs)
@@ -63,10 +78,10 @@ def main(argv: list[str]) -> int:
         print(f"User function raise error: {e}", file=sys.stderr)
         raise
     try:
-        _write(("ok", value))
+        _write(("ok", value, _round(), _size()))
     except Exception as e:
         raise RuntimeError(
-            f"horovod.run: rank {rank}'s return value could not be pickled ({e}); return "
+            f"horovod.run: rank {_rank()}'s return value could not be pickled ({e}); return "
             "something cloudpickle can serialize"
         ) from None
     return 0
