@@ -226,7 +226,7 @@ class Driving(PeerRounds):
         if not self._sleeping:
             return
         t = self.polled
-        due = self._timeout()
+        due = self._timeout(watch=False)
         wake = force or self._stop_now or self._busy() or t.fast_pending()
         if not wake and due is not None:
             until = self._sleep_until

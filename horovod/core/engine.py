@@ -216,7 +216,11 @@ class Engine(ExpressPaths):
         finally:
             self._close_table(self.closed or shutdown_message())
 
-    def _timeout(self) -> float | None:
+    def _timeout(self, watch: bool = True) -> float | None:
+        """Seconds until the next timer of the loop (0: work now; None: none). ``watch``: count
+        the coordinator watch (``_after_drive`` does not: a thread leaving the engine must not
+        kick the sleeping engine thread for it after every call; the watch matters while a
+        thread waits, and a thread that gives up waiting kicks the engine thread anyway)."""
         if self.closed is not None:
             return 0
         due = self.coordinator.timeout() if self.coordinator is not None else None
@@ -229,7 +233,7 @@ class Engine(ExpressPaths):
         if board is not None and board.deferred:
             left = max(0.0, self.answer_by - self.clock())
             due = left if due is None else min(due, left)
-        if self.watch_at:
+        if self.watch_at and watch:
             left = max(0.0, self.watch_at - self.clock())
             due = left if due is None else min(due, left)
         return due

@@ -245,7 +245,7 @@ class EngineState:
     def _handle(self, batch: list[tuple]) -> bool:
         raise NotImplementedError
 
-    def _timeout(self) -> float | None:
+    def _timeout(self, watch: bool = True) -> float | None:
         raise NotImplementedError
 
     def _send_requests(self, entries: list[Entry], rounds: bool = True) -> None:
