@@ -22,11 +22,12 @@ import sys
 from collections.abc import Callable, Sequence
 
 from horovod import __version__
+from horovod.common import util
 from horovod.common.config import LOG_LEVELS, setting
 from horovod.common.exceptions import ConfigError
 from horovod.common.secret import make_secret
 from horovod.rendezvous.server import RendezvousServer
-from horovod.runner import ssh
+from horovod.runner import mpi_run, ssh
 from horovod.runner.config_file import parse_with_config
 from horovod.runner.elastic.discovery import DiscoveryError, FixedHosts, ScriptDiscovery
 from horovod.runner.elastic.launch import run_elastic
@@ -110,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     hosts.add_argument("-hostfile", "--hostfile", help="file of lines '<host> slots=<n>'")
     ctl = p.add_mutually_exclusive_group()
     ctl.add_argument("--gloo", action="store_true", help="use the built-in TCP engine (default)")
-    ctl.add_argument("--mpi", action="store_true", help="use MPI (not available in this build)")
+    ctl.add_argument(
+        "--mpi",
+        action="store_true",
+        help="start the workers with the installed mpirun and move data through MPI (docs/mpi.md)",
+    )
     tun = p.add_argument_group("tunables")
     tun.add_argument(
         "--fusion-threshold-mb",
@@ -168,7 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     lib.add_argument("--mpi-threads-disable", action="store_true", default=None)
     lib.add_argument("--num-nccl-streams", type=_nonneg(int))
     lib.add_argument("--thread-affinity", type=_nonneg(int))
-    lib.add_argument("--tcp", action="store_true", help="accepted for compatibility")
+    lib.add_argument(
+        "--tcp",
+        action="store_true",
+        help="--mpi: MPI over TCP only (no fabric transports); NCCL_IB_DISABLE=1 for NCCL",
+    )
+    lib.add_argument(
+        "--mpi-args", help='--mpi: extra arguments for mpirun, e.g. "--mca btl_tcp_if_include eth0"'
+    )
     lg = p.add_argument_group("logging")
     lg.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper)
     lg.add_argument(
@@ -200,9 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         help="slots of a host the discovery script prints without ':slots'",
     )
-    el.add_argument(
-        "--reset-limit", type=_nonneg(int), help="fail the job after this many resets"
-    )
+    el.add_argument("--reset-limit", type=_nonneg(int), help="fail the job after this many resets")
     el.add_argument(
         "--blacklist-cooldown-range",
         type=_nonneg(float),
@@ -285,17 +295,21 @@ def check_build() -> str:
         ("MXNet", have("horovod.mxnet") and have("mxnet")),
         ("NumPy", True),
     ]
+    mpi_ops = util.mpi_built()
     lines = [f"Horovod v{__version__} (pyhorovod):", "", "Available Frameworks:"]
     lines += [f"    {mark(ok)} {name}" for name, ok in frameworks]
     lines += [
         "",
         "Available Controllers:",
-        f"    {mark(False)} MPI",
+        f"    {mark(mpi_ops and shutil.which('mpirun') is not None)} MPI",
         f"    {mark(True)} Gloo",
         "",
         "Available Tensor Operations:",
     ]
-    lines += [f"    {mark(n == 'Gloo')} {n}" for n in ("NCCL", "DDL", "CCL", "MPI", "Gloo")]
+    lines += [
+        f"    {mark(n == 'Gloo' or (n == 'MPI' and mpi_ops))} {n}"
+        for n in ("NCCL", "DDL", "CCL", "MPI", "Gloo")
+    ]
     return "\n".join(lines)
 
 
@@ -359,9 +373,10 @@ def main(
         command = command[1:]
     if not command:
         return _error("no training command given, e.g. horovodrun -np 2 python train.py")
-    if a.mpi:
+    if a.mpi and elastic:
         return _error(
-            "--mpi is not available in this build; the default (--gloo) engine needs no MPI"
+            "elastic jobs run on horovodrun's own launcher: drop --mpi (the built-in planes "
+            "need no MPI)"
         )
     discovery: ScriptDiscovery | FixedHosts | None = None
     try:
@@ -383,6 +398,8 @@ def main(
         slots = [] if elastic else assign_slots(hosts, a.np)
     except (OSError, ValueError, DiscoveryError) as e:
         return _error(str(e))
+    if a.mpi:
+        return _run_mpi(a, hosts, command)
     try:
         keepalive = setting("ssh_keepalive_seconds")
         grace = setting("stop_grace_seconds")
@@ -523,6 +540,33 @@ def main(
     if report:
         print(report, file=sys.stderr)
     return status
+
+
+def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
+    """``--mpi``: the installed mpirun starts the workers (``horovod.runner.mpi_run``)."""
+    try:
+        mpirun = mpi_run.find_mpirun()
+        impl = mpi_run.implementation(mpirun)
+    except RuntimeError as e:
+        return _error(str(e))
+    nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
+    env = mpi_run.worker_env(ssh.exportable(os.environ), env_from_args(a))
+    argv = mpi_run.command(
+        impl,
+        mpirun=mpirun,
+        np=a.np,
+        hosts=hosts,
+        env_names=[k for k in env if not mpi_run.LAUNCHER_OWN.match(k)],
+        train=command,
+        mpi_args=a.mpi_args,
+        nics=nics,
+        ssh_port=a.ssh_port,
+        ssh_identity=a.ssh_identity_file,
+        output_dir=a.output_filename,
+        tcp=a.tcp,
+        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+    )
+    return mpi_run.run(argv, env, verbose=a.verbose)
 
 
 def run_commandline() -> None:  # upstream's entry point name

