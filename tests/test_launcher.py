@@ -186,7 +186,7 @@ def _launcher(*args):
             "cannot start workers over ssh on far-away-host.invalid",
         ),
         (["-np", "1", "no-such-command-xyz"], "command not found: no-such-command-xyz"),
-        (["-np", "1", "--mpi", "python"], "--mpi is not available"),
+        (["-np", "1", "--mpi", "--min-np", "1", "python"], "elastic jobs run on horovodrun"),
         (["-np", "1", "--fusion-threshold-mb", "-1", "python"], "must be >= 0"),
     ],
 )

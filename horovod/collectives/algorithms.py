@@ -155,11 +155,22 @@ def _hosts(t) -> Hosts | None:
     return h
 
 
+def native(t):
+    """The plane's own collectives for view ``t`` (MPI), or None: the algorithms here then
+    run over its point-to-point. Each native method returns False where the plane lacks the
+    operation for the buffer (its type, its reduction), and the algorithm runs instead."""
+    return getattr(t, "native", None)
+
+
 def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: Post = 1.0) -> None:
     """In-place reduction of ``buf`` (flat) across all ranks of ``t``, the result scaled by
     ``post`` (``scale``; the ring scales each segment once, as its owner reduces it)."""
     n = t.size
     if n == 1 or buf.size == 0:
+        scale(buf, post)
+        return
+    nat = native(t)
+    if nat is not None and nat.allreduce(buf, op, HIERARCHICAL_ALLREDUCE, t.hosts):
         scale(buf, post)
         return
     if HIERARCHICAL_ALLREDUCE:
@@ -265,6 +276,13 @@ def reduce_scatter(
     if n == 1:
         scale(mine, post)
         return mine
+    nat = native(t)
+    if nat is not None:
+        out = scratch.get(counts[me] * buf.itemsize, buf.dtype)
+        if nat.reduce_scatter(buf, counts, op, out):
+            np.copyto(mine, out)
+            scale(mine, post)
+            return mine
     if buf.nbytes <= SMALL_BYTES * n:
         peers = [p for p in range(n) if p != me]
         got = scratch.get(counts[me] * buf.itemsize * (n - 1), buf.dtype).reshape(n - 1, counts[me])
@@ -356,6 +374,12 @@ def allgatherv(t, out: np.ndarray, nbytes: Sequence[int], src: np.ndarray | None
     offs = _offsets(nbytes)
     blocks = [out[offs[r] : offs[r] + nbytes[r]] for r in range(n)]
     copies = [] if src is None else [(as_bytes(blocks[me]), as_bytes(src))]
+    nat = native(t) if n > 1 else None
+    if nat is not None:
+        for dst, mine in copies:
+            dst[:] = mine
+        nat.allgatherv(out, nbytes, HIERARCHICAL_ALLGATHER, t.hosts)
+        return
     hosts = _hosts(t) if HIERARCHICAL_ALLGATHER and n > 1 else None
     if n == 1 or hosts is not None:
         for dst, mine in copies:
@@ -384,6 +408,9 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
     a pipelined chain (every link busy at once, each byte crosses n-1 links) for large."""
     n, me = t.size, t.rank
     if n == 1 or buf.nbytes == 0:
+        return
+    nat = native(t)
+    if nat is not None and nat.broadcast(buf, root):
         return
     if n > 2 and buf.nbytes > max(SMALL_BYTES, PIPELINE_BYTES):
         _broadcast_chain(t, buf, root)
@@ -427,6 +454,22 @@ def _broadcast_chain(t, buf: np.ndarray, root: int) -> None:
             )
 
 
+def alltoallv_flat(
+    t, src: np.ndarray, send_nbytes: Sequence[int], dst: np.ndarray, recv_nbytes: Sequence[int]
+) -> None:
+    """``src`` (bytes) holds the blocks for ranks 0..n-1 in order, ``send_nbytes[p]`` bytes
+    for rank p; ``dst`` receives rank p's block for this rank at its place in rank order."""
+    nat = native(t) if t.size > 1 else None
+    if nat is not None and nat.alltoallv(src, send_nbytes, dst, recv_nbytes):
+        return
+    so, ro = _offsets(send_nbytes), _offsets(recv_nbytes)
+    alltoallv(
+        t,
+        [as_bytes(src[so[p] : so[p] + send_nbytes[p]]) for p in range(t.size)],
+        [as_bytes(dst[ro[p] : ro[p] + recv_nbytes[p]]) for p in range(t.size)],
+    )
+
+
 def alltoallv(t, sends: Sequence[memoryview], recvs: Sequence[memoryview]) -> None:
     """Block ``sends[p]`` goes to rank p, ``recvs[p]`` receives from rank p (own block copied)."""
     me = t.rank
@@ -438,6 +481,9 @@ def alltoallv(t, sends: Sequence[memoryview], recvs: Sequence[memoryview]) -> No
 def barrier(t) -> None:
     """Dissemination barrier: ceil(log2 n) rounds of one-byte messages."""
     n, me = t.size, t.rank
+    nat = native(t) if n > 1 else None
+    if nat is not None and nat.barrier():
+        return
     token = memoryview(bytearray(1))
     got = memoryview(bytearray(1))
     k = 1
@@ -451,9 +497,5 @@ def exchange_counts(t, counts: Sequence[int]) -> list[int]:
     n = t.size
     send = np.asarray(counts, dtype=np.int64)
     recv = np.empty(n, np.int64)
-    alltoallv(
-        t,
-        [as_bytes(send[i : i + 1]) for i in range(n)],
-        [as_bytes(recv[i : i + 1]) for i in range(n)],
-    )
+    alltoallv_flat(t, send.view(np.uint8), [8] * n, recv.view(np.uint8), [8] * n)
     return recv.tolist()

@@ -211,13 +211,16 @@ class Config:
     controller: str = _knob(
         "HOROVOD_CONTROLLER",
         "gloo",
-        "Controller: gloo (pyhorovod's TCP engine) or mpi.",
+        "Controller: gloo (start-up through horovodrun's rendezvous) or mpi (start-up over "
+        "MPI: the workers must be started by mpirun). Negotiation is pyhorovod's own either way.",
         choices=("gloo", "mpi"),
     )
     cpu_operations: str = _knob(
         "HOROVOD_CPU_OPERATIONS",
-        "gloo",
-        "CPU data plane: gloo (pyhorovod's TCP) or mpi.",
+        "",
+        "CPU data plane: mpi (MPI's collectives through mpi4py; set by horovodrun --mpi) or "
+        "gloo (the built-in shared-memory and TCP planes). Unset: the built-in planes, or MPI "
+        "for a job started with hvd.init(comm=...).",
         choices=("gloo", "mpi", "ccl"),
     )
     shared_memory: bool = _knob(
@@ -346,7 +349,10 @@ class Config:
         "HOROVOD_NUM_NCCL_STREAMS", 1, "Accepted for compatibility; no effect.", inert=True
     )
     mpi_threads_disable: bool = _knob(
-        "HOROVOD_MPI_THREADS_DISABLE", False, "Accepted for compatibility; no effect.", inert=True
+        "HOROVOD_MPI_THREADS_DISABLE",
+        False,
+        "MPI jobs: initialise MPI with MPI_THREAD_SERIALIZED instead of MPI_THREAD_MULTIPLE "
+        "(where Horovod is the first to import mpi4py).",
     )
     enable_async_completion: bool = _knob(
         "HOROVOD_ENABLE_ASYNC_COMPLETION",

@@ -22,6 +22,41 @@ def _current() -> Any:
     return context_lookup()
 
 
+def is_communicator(obj: Any) -> bool:
+    """Is ``obj`` an mpi4py communicator (told without importing mpi4py)?"""
+    mod = type(obj).__module__ or ""
+    return mod.startswith("mpi4py") and hasattr(obj, "Get_group")
+
+
+def translate(comm: Any, group: Any) -> list[int]:
+    """The ranks in ``group`` of ``comm``'s processes, in ``comm``'s order; ValueError where
+    one is not in ``group``."""
+    import sys
+
+    MPI = sys.modules["mpi4py.MPI"]
+    mine = comm.Get_group()
+    try:
+        ranks = MPI.Group.Translate_ranks(mine, list(range(mine.Get_size())), group)
+    finally:
+        mine.Free()
+    if any(r == MPI.UNDEFINED for r in ranks):
+        raise ValueError(
+            "ProcessSet(comm): the communicator holds processes that are not in Horovod's "
+            "job; a process set's communicator must be part of the one hvd.init runs on"
+        )
+    return [int(r) for r in ranks]
+
+
+def world_ranks(comm: Any) -> list[int]:
+    import sys
+
+    world = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_group()
+    try:
+        return translate(comm, world)
+    finally:
+        world.Free()
+
+
 class ProcessSet:
     """A subset of ranks. Register it with ``hvd.init(process_sets=[...])`` or, with dynamic
     process sets enabled, ``hvd.add_process_set(...)``; then pass it as ``process_set=``."""
@@ -29,14 +64,20 @@ class ProcessSet:
     def __init__(self, ranks_or_comm: Iterable[int] | Any) -> None:
         self.process_set_id: int | None = None
         self.mpi_comm = None
-        try:
-            ranks = list(ranks_or_comm)
-        except TypeError:
-            ranks = None
+        if is_communicator(ranks_or_comm):
+            # The communicator's ranks in MPI_COMM_WORLD; hvd.init translates them to the
+            # job's ranks when it runs on another communicator.
+            self.mpi_comm = ranks_or_comm
+            ranks = world_ranks(ranks_or_comm)
+        else:
+            try:
+                ranks = list(ranks_or_comm)
+            except TypeError:
+                ranks = None
         if ranks is None or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
             raise ValueError(
-                "ProcessSet should be initialized with a list of process ranks "
-                "(ints); mpi4py communicators need the MPI controller"
+                "ProcessSet should be initialized with a list of process ranks (ints) or an "
+                f"mpi4py communicator, not {ranks_or_comm!r}"
             )
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"ProcessSet ranks must be distinct, got {ranks}")
@@ -47,6 +88,12 @@ class ProcessSet:
     @property
     def ranks(self) -> list[int]:
         return self._ranks
+
+    def translate_to(self, group: Any) -> None:
+        """A set made from a communicator: its ranks become those in ``group`` (the group of
+        the communicator Horovod runs on)."""
+        if self.mpi_comm is not None:
+            self._ranks = sorted(translate(self.mpi_comm, group))
 
     def _registered(self) -> bool:
         ctx = _current()

@@ -1,7 +1,8 @@
 """Upstream's ``horovod.common.util`` helpers that user code imports, answering for this
 implementation: what it was built with (no compiled extensions: Gloo's role is played by
-pyhorovod's own transports; no MPI, NCCL or CUDA build), which framework frontends can be
-used, and small helpers (``env``, ``split_list``, version comparison).
+pyhorovod's own transports; MPI is there when mpi4py is installed; no NCCL or CUDA build),
+which framework frontends can be used, and small helpers (``env``, ``split_list``, version
+comparison).
 
 Must not touch: any layer above it (the frontend reads its build answers from here).
 """
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 # What upstream would have compiled in, as this implementation has it.
-BUILT = {"gloo": True, "mpi": False, "nccl": False, "ddl": False, "ccl": False, "cuda": False}
+BUILT = {"gloo": True, "nccl": False, "ddl": False, "ccl": False, "cuda": False}
 
 # Frontend -> the framework it needs. Frontends not listed do not exist in this version.
 _FRAMEWORKS = {
@@ -46,7 +47,12 @@ def gloo_built(verbose: bool = False) -> bool:
 
 
 def mpi_built(verbose: bool = False) -> bool:
-    return BUILT["mpi"]
+    """MPI support is mpi4py (pip install 'pyhorovod[mpi]'): found without importing it, which
+    would initialise MPI."""
+    ok = importlib.util.find_spec("mpi4py") is not None
+    if verbose and not ok:
+        print("MPI: not available (pip install 'pyhorovod[mpi]' installs mpi4py and Open MPI)")
+    return ok
 
 
 def nccl_built(verbose: bool = False) -> bool:

@@ -31,7 +31,7 @@ from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.core import membership, pool
+from horovod.core import membership, mpi_world, pool
 from horovod.core.autotune import Autotuner, Params
 from horovod.core.engine import Engine
 from horovod.core.handles import Handle
@@ -114,19 +114,19 @@ def require() -> Context:
 
 def init(process_sets: Any = None, comm: Any = None) -> Context:
     global _process_ctx, _atexit_registered
-    if comm is not None:
-        raise ValueError(
-            "hvd.init(comm=...) needs the MPI controller, which this build does not "
-            "include; start the job with horovodrun and use process_sets= for "
-            "subsets of ranks"
-        )
     spec = _spec.get()
+    if comm is not None and spec is not None:
+        raise ValueError(
+            "hvd.init(comm=...) is for processes started by mpirun; these ranks are threads "
+            "of one process (run_ranks)"
+        )
     ctx = current()
     if ctx is not None and not ctx.stopped:
         return ctx
     env: dict[str, str]
     scope: str | None = None
     rnd: membership.Round | None = None
+    world: mpi_world.MpiWorld | None = None
     if spec is not None:
         env = spec.env
     else:
@@ -139,7 +139,10 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
         for i, ps in enumerate(static):
             if not isinstance(ps, ProcessSet):
                 raise ValueError(f"process_sets entry number {i} is not a ProcessSet: {ps!r}")
-            if any(ps is other or ps.ranks == other.ranks for other in static[:i]):
+            if any(
+                ps is other or (ps.ranks == other.ranks and ps.mpi_comm is other.mpi_comm is None)
+                for other in static[:i]
+            ):
                 raise ValueError(
                     f"Horovod could not be initialized because process_sets entry "
                     f"number {i} is a duplicate: {ps}"
@@ -160,13 +163,43 @@ def init(process_sets: Any = None, comm: Any = None) -> Context:
         )
     else:
         launch = scheduler.detect(env)
-        if launch is not None:  # srun / mpirun started this worker, not horovodrun
+        if mpi_world.wanted(env, comm, launch.scheduler if launch is not None else None):
+            if membership.elastic_requested(env):
+                raise ConfigError(
+                    "elastic jobs run on the built-in planes, not on MPI: drop --mpi, "
+                    "HOROVOD_CPU_OPERATIONS=mpi or hvd.init(comm=...)"
+                )
+            world = mpi_world.connect(
+                env,
+                comm,
+                launch.scheduler if launch else None,
+                launch.env if launch else None,
+            )
+            env = {**env, **world.env}
+            scope = world.scope
+            try:
+                static = world.assemble_sets(static)
+            except BaseException:
+                world.close()
+                raise
+            launch = None  # the world serves the rendezvous itself
+        elif launch is not None:  # srun / mpirun started this worker, not horovodrun
             env = {**env, **launch.env}
         elif membership.elastic_requested(env):  # horovodrun's elastic driver seats us
             rnd, scope = membership.join(env)
-        cfg = Config.from_env(env)
+        if world is None and any(ps.mpi_comm is not None for ps in static):
+            raise ValueError(
+                "ProcessSet(comm) needs an MPI job (started by mpirun or horovodrun --mpi); "
+                "this one runs on horovodrun's own launcher: pass lists of ranks instead"
+            )
+        try:
+            cfg = Config.from_env(env)
+        except BaseException:
+            if world is not None:
+                world.close()
+            raise
         log.configure(cfg.log_level, cfg.log_hide_time)
-    new = Context(cfg, spec, static, env, launch if spec is None else None, scope, rnd)
+    new = Context(cfg, spec, static, env, launch if spec is None else None, scope, rnd, world)
     with _lock:
         if spec is not None:
             _thread_ctx.set(new)
@@ -297,8 +330,10 @@ class Context:
         launch: scheduler.Launch | None = None,
         scope: str | None = None,
         elastic_round: membership.Round | None = None,
+        mpi: mpi_world.MpiWorld | None = None,
     ) -> None:
         self.config = cfg
+        self.mpi = mpi  # the job's MPI world (hvd.mpi_enabled()), or None
         self.elastic_round = elastic_round  # the elastic membership round this context is
         self.rank, self.size = cfg.rank, cfg.size
         self.local_rank, self.local_size = cfg.local_rank, cfg.local_size
@@ -320,9 +355,18 @@ class Context:
         self._rendezvous_server = None
         if launch is not None and cfg.size > 1:
             self._rendezvous_server = self._serve_rendezvous(cfg, launch)
-        store, transport = self._connect(
-            cfg, spec, scope, scheduled=launch is not None, elastic_round=elastic_round
-        )
+        try:
+            store, transport = self._connect(
+                cfg,
+                spec,
+                scope,
+                scheduled=launch is not None or mpi is not None,
+                elastic_round=elastic_round,
+            )
+        except BaseException:
+            if mpi is not None:
+                mpi.close()
+            raise
         self.store = store
         self.timeline: Timeline | None = None
         self.autotuner: Autotuner | None = None
@@ -333,14 +377,19 @@ class Context:
             hosts = Counter(info[0] for info in infos)
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
-            if launch is not None:  # the scheduler's local ranks are a guess; hosts are facts
+            if launch is not None or mpi is not None:  # the launcher's local ranks are a
+                # guess; hosts are facts
                 layout = _local_layout(self.hostnames)[cfg.rank]
                 self.local_rank, self.local_size, self.cross_rank, self.cross_size = layout
             alg.SMALL_BYTES = cfg.ring_threshold_bytes
             pool.POOL.capacity = cfg.output_pool_bytes if pool._refcounts_are_exact() else 0
             alg.HIERARCHICAL_ALLREDUCE = cfg.hierarchical_allreduce
             alg.HIERARCHICAL_ALLGATHER = cfg.hierarchical_allgather
-            if spec is None and cfg.size > 1 and cfg.shared_memory:
+            if mpi is not None and mpi.data_plane and cfg.size > 1:
+                from horovod.transport.mpi import MpiTransport
+
+                transport = MpiTransport(mpi.take_comm(), control=transport)
+            elif spec is None and cfg.size > 1 and cfg.shared_memory:
                 transport = self._with_shared_memory(cfg, store, scope, transport)
             transport.hosts = list(self.hostnames)
             # Ranks on rank 0's host whose stacks can be dumped with SIGUSR1 (faulthandler),
@@ -378,6 +427,8 @@ class Context:
             )
         except BaseException:
             transport.close()
+            if mpi is not None:
+                mpi.close()
             if self.timeline is not None:
                 self.timeline.close()
             if self.autotuner is not None:
@@ -582,6 +633,8 @@ class Context:
             return
         self.stopped = True
         self.engine.stop(why, timeout=max(10.0, self.config.timeout_seconds))
+        if self.mpi is not None:
+            self.mpi.close()
         self.stop_timeline()
         if self.autotuner is not None:
             self.autotuner.close()

@@ -33,7 +33,6 @@ from horovod.core.messages import (
     SUM,
     Response,
 )
-from horovod.transport.base import as_bytes
 
 if TYPE_CHECKING:
     from horovod.core.handles import Entry
@@ -230,16 +229,13 @@ def _alltoall(resp: Response, entries: list[Entry], t) -> list:
     splits = e.splits
     received = alg.exchange_counts(t, splits)
     out = e.alloc((sum(received),) + shape[1:], dtype)
-    src = as_bytes(e.array)
-    dst = as_bytes(out)
-    sends, recvs = [], []
-    so = ro = 0
-    for p in range(t.size):
-        sends.append(src[so : so + splits[p] * row_bytes])
-        recvs.append(dst[ro : ro + received[p] * row_bytes])
-        so += splits[p] * row_bytes
-        ro += received[p] * row_bytes
-    alg.alltoallv(t, sends, recvs)
+    alg.alltoallv_flat(
+        t,
+        _bytes(e.array),
+        [s * row_bytes for s in splits],
+        _bytes(out),
+        [r * row_bytes for r in received],
+    )
     return [(out, np.asarray(received, dtype=np.int32))]
 
 

@@ -89,7 +89,12 @@ from horovod.frontend.collectives import (
 from horovod.frontend.compression import Compression, Compressor, NoneCompressor
 from horovod.frontend.handles import poll, synchronize
 from horovod.frontend.objects import allgather_object, broadcast_object
-from horovod.frontend.process_sets import add_process_set, remove_process_set
+from horovod.frontend.process_sets import (
+    add_process_set,
+    comm_process_set_id,
+    get_process_set_ids_and_ranks,
+    remove_process_set,
+)
 from horovod.frontend.submission import (
     Alloc,
     express,
@@ -168,6 +173,8 @@ __all__ = [
     "ProcessSet",
     "global_process_set",
     "add_process_set",
+    "comm_process_set_id",
+    "get_process_set_ids_and_ranks",
     "remove_process_set",
     "HorovodInternalError",
 ]

@@ -59,14 +59,23 @@ def is_homogeneous() -> bool:
 
 
 def mpi_threads_supported() -> bool:
-    raise ValueError(
-        "Horovod MPI is not enabled; this build runs on pyhorovod's own TCP "
-        "transport (the Gloo controller)."
-    )
+    """Was MPI initialised with ``MPI_THREAD_MULTIPLE`` (the user's threads may call MPI
+    beside Horovod's)? Only for MPI jobs, as upstream."""
+    ctx = require_context()
+    if ctx.mpi is None:
+        raise ValueError(
+            "Horovod MPI is not enabled: this job runs on the built-in planes. Start it with "
+            "horovodrun --mpi (or mpirun) to use MPI"
+        )
+    from mpi4py import MPI
+
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
 
 
 def mpi_enabled() -> bool:
-    return False
+    """Did this job start over MPI (mpirun, ``hvd.init(comm=...)``, ``--mpi``)?"""
+    ctx = _context.current()
+    return ctx is not None and ctx.mpi is not None
 
 
 def mpi_built() -> bool:
@@ -74,7 +83,10 @@ def mpi_built() -> bool:
 
 
 def gloo_enabled() -> bool:
-    return is_initialized()
+    """Does this job start through the rendezvous of horovodrun (upstream's Gloo
+    controller) rather than over MPI?"""
+    ctx = _context.current()
+    return ctx is not None and ctx.mpi is None
 
 
 def gloo_built() -> bool:

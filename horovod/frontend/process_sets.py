@@ -27,6 +27,13 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             "Horovod initialization."
         )
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    if ps.mpi_comm is not None:
+        if ctx.mpi is None:
+            raise ValueError(
+                "add_process_set(ProcessSet(comm)) needs an MPI job (mpirun or horovodrun "
+                "--mpi); pass a list of ranks instead"
+            )
+        ps.translate_to(ctx.mpi.group)
     bad = [r for r in ps.ranks if r >= ctx.size]
     if bad:
         raise ValueError(
@@ -68,3 +75,26 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     ctx.public_sets.pop(ps_id, None)
     process_set.process_set_id = None
     return True
+
+
+def get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered process set's id and ranks (the global set is id 0)."""
+    ctx = require_context()
+    return {ps_id: list(ps.ranks) for ps_id, ps in sorted(ctx.public_sets.items())}
+
+
+def comm_process_set_id(comm: object) -> int:
+    """The id of the registered process set whose processes are those of mpi4py
+    communicator ``comm`` (0 for a communicator of the whole job)."""
+    ctx = require_context()
+    if ctx.mpi is None:
+        raise ValueError("comm_process_set_id needs an MPI job (mpirun or horovodrun --mpi)")
+    probe = ProcessSet(comm)
+    probe.translate_to(ctx.mpi.group)
+    for ps_id, ranks in get_process_set_ids_and_ranks().items():
+        if list(ranks) == probe.ranks:
+            return ps_id
+    raise ValueError(
+        f"no registered process set has the ranks of this communicator ({probe.ranks}); "
+        "register one with hvd.init(process_sets=[...]) or hvd.add_process_set"
+    )

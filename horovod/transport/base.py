@@ -75,6 +75,9 @@ class Transport(ABC):
     kind = "DIRECT"  # names the data path in timeline activities (TCP_ALLREDUCE, ...)
     # The host of every rank (set at hvd.init()); hierarchical algorithms group ranks by it.
     hosts: list[str] | None = None
+    # The plane's own collectives (MPI), which the algorithms prefer where they apply
+    # (``horovod.collectives.algorithms.native``); None: point-to-point only.
+    native: object | None = None
 
     @abstractmethod
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None: ...
@@ -272,6 +275,15 @@ class SubTransport:
         self.kind = parent.kind
         names = getattr(parent, "hosts", None)
         self.hosts = [names[r] for r in self.ranks] if names else None
+        self._native: object | None = None
+
+    @property
+    def native(self) -> object | None:
+        """The parent plane's collectives on a communicator of these ranks (made by the
+        plane on first use), or None where the plane has none."""
+        if self._native is None and getattr(self.parent, "native", None) is not None:
+            self._native = self.parent.subset(self.ranks)  # type: ignore[attr-defined]
+        return self._native
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         r = self.ranks

@@ -16,8 +16,10 @@ from horovod import frontend as F
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.frontend import (
     add_process_set,
+    comm_process_set_id,
     cross_rank,
     cross_size,
+    get_process_set_ids_and_ranks,
     init,
     is_homogeneous,
     is_initialized,
@@ -317,6 +319,8 @@ __all__ = [
     "ProcessSet",
     "Sum",
     "add_process_set",
+    "comm_process_set_id",
+    "get_process_set_ids_and_ranks",
     "allgather",
     "allreduce",
     "broadcast",

@@ -1,0 +1,317 @@
+"""Jobs that tests/test_mpi.py runs under a real ``mpirun``: ``python tests/mpi_worker.py
+SCENARIO``. Each checks its results against formulas and prints ``OK <rank>`` at the end."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+
+
+def world_rank() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+
+
+def collectives() -> None:
+    """Every collective on the MPI plane, against formulas (HOROVOD_CPU_OPERATIONS=mpi)."""
+    import horovod.numpy as hvd
+    from horovod.core.context import current
+    from horovod.transport.mpi import MpiTransport
+
+    hvd.init(process_sets=[hvd.ProcessSet([0, 2]), hvd.ProcessSet([1])])
+    r, n = hvd.rank(), hvd.size()
+    assert n == 3, n
+    assert isinstance(current().engine.transport, MpiTransport)
+    assert hvd.mpi_enabled() and not hvd.gloo_enabled() and hvd.mpi_threads_supported()
+    tri = n * (n + 1) // 2
+    # every dtype and reduction (bool and bfloat16 have no MPI reduction: the project's
+    # algorithms over MPI's point-to-point)
+    for dt in (np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8):
+        x = np.full(17, r + 1, dt)
+        assert (hvd.allreduce(x, op=hvd.Sum, name=f"s.{dt.__name__}") == tri).all()
+        assert (hvd.allreduce(x, op=hvd.Min, name=f"mi.{dt.__name__}") == 1).all()
+        assert (hvd.allreduce(x, op=hvd.Max, name=f"ma.{dt.__name__}") == n).all()
+        assert (hvd.allreduce(x, op=hvd.Product, name=f"p.{dt.__name__}") == 6).all()
+    flags = hvd.allreduce(np.array([r == 0, r == 1, False]), op=hvd.Sum, name="bool")
+    assert flags.tolist() == [True, True, False], flags
+    bf = hvd.allreduce(np.full(5, r + 1, ml_dtypes.bfloat16), op=hvd.Sum, name="bf16")
+    assert (bf.astype(np.float32) == tri).all(), bf
+    # Average: a correctly rounded division by 3, as the frameworks divide
+    v = np.array([0.1, 1.0, 2.5e-3], np.float32) * (r + 1)
+    avg = hvd.allreduce(v, name="avg")
+    total = sum(np.array([0.1, 1.0, 2.5e-3], np.float32) * (k + 1) for k in range(n))
+    assert avg.tobytes() == np.divide(total, np.float32(n)).astype(np.float32).tobytes()
+    # large (several MiB) and scaled
+    big = np.arange(3 << 20, dtype=np.float32) % 1000 * (r + 1)
+    out = hvd.allreduce(big, op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0, name="big")
+    assert np.array_equal(out, np.arange(3 << 20, dtype=np.float32) % 1000 * tri * 2)
+    # fused: many small tensors in one response, and a grouped allreduce
+    handles = [
+        hvd.allreduce_async(np.full(3 + i, i + r, np.float64), op=hvd.Sum, name=f"f.{i}")
+        for i in range(20)
+    ]
+    for i, h in enumerate(handles):
+        assert (hvd.synchronize(h) == n * i + n * (n - 1) // 2).all()
+    grouped = hvd.grouped_allreduce([np.ones(4) * r, np.ones((2, 2)) * 2 * r], op=hvd.Sum)
+    assert (grouped[0] == 3).all() and (grouped[1] == 6).all()
+    # allgather with uneven first dimensions, broadcast from the last rank
+    g = hvd.allgather(np.full((r + 1, 2), r, np.int64), name="ag")
+    assert g.tolist() == [[k, k] for k in range(n) for _ in range(k + 1)]
+    big_g = hvd.allgather(np.full(1 << 20, r, np.float32), name="agbig")
+    assert all((big_g[k << 20 : (k + 1) << 20] == k).all() for k in range(n))
+    b = hvd.broadcast(np.full(7, r, np.float32), root_rank=n - 1, name="bc")
+    assert (b == n - 1).all()
+    # alltoall with uneven splits: rank r sends k+1 rows to rank k
+    splits = [k + 1 for k in range(n)]
+    rows = np.concatenate([np.full((k + 1, 2), 10 * r + k) for k in range(n)]).astype(np.int32)
+    got, received = hvd.alltoall(rows, splits=splits, name="a2a")
+    assert received.tolist() == [r + 1] * n
+    assert got[:, 0].tolist() == [10 * k + r for k in range(n) for _ in range(r + 1)]
+    # reducescatter of 7 rows over 3 ranks (3, 2, 2)
+    rs = hvd.reducescatter(np.arange(14, dtype=np.float32).reshape(7, 2) * (r + 1), op=hvd.Sum)
+    start = [0, 3, 5][r]
+    expect = np.arange(14, dtype=np.float32).reshape(7, 2)[start : start + rs.shape[0]] * tri
+    assert rs.shape[0] == [3, 2, 2][r] and np.array_equal(rs, expect)
+    hvd.barrier()
+    # process sets run on sub-communicators
+    even, odd = hvd.ProcessSet([0, 2]), None
+    for ps in current().public_sets.values():
+        if ps.ranks == [0, 2]:
+            even = ps
+        if ps.ranks == [1]:
+            odd = ps
+    if r in (0, 2):
+        s = hvd.allreduce(np.full(4, r, np.float32), op=hvd.Sum, process_set=even, name="ps")
+        assert (s == 2).all()
+        gs = hvd.allgather(np.full(1, r, np.int32), process_set=even, name="psg")
+        assert gs.tolist() == [0, 2]
+        bs = hvd.broadcast(np.full(2, r, np.int32), root_rank=2, process_set=even, name="psb")
+        assert bs.tolist() == [2, 2]
+    else:
+        assert (hvd.allreduce(np.ones(2), process_set=odd, name="solo") == 1).all()
+    # objects go through the same plane
+    assert hvd.allgather_object({"rank": r}) == [{"rank": k} for k in range(n)]
+    assert hvd.broadcast_object(f"from {r}", root_rank=1) == "from 1"
+    # a mismatch is refused by negotiation on every rank, and the job goes on
+    try:
+        hvd.allreduce(np.ones(2 + (r == 1)), name="mismatch")
+    except Exception as e:
+        assert "shape" in str(e) and "mismatch" in str(e), e
+    else:
+        raise AssertionError("a shape mismatch was not refused")
+    assert (hvd.allreduce(np.ones(2), op=hvd.Sum, name="after") == n).all()
+    hvd.shutdown()
+    print(f"OK {r}", flush=True)
+
+
+def plain() -> None:
+    """Upstream's way: plain mpirun, no variables. Start-up over MPI, built-in planes."""
+    import horovod.numpy as hvd
+    from horovod.core.context import current
+
+    hvd.init()
+    assert hvd.mpi_enabled() and not hvd.gloo_enabled()
+    assert type(current().engine.transport).__name__ == "ShmTransport"
+    s = hvd.allreduce(np.full(3, hvd.rank() + 1.0), op=hvd.Sum)
+    assert (s == hvd.size() * (hvd.size() + 1) / 2).all()
+    hvd.shutdown()
+    print(f"OK {hvd.rank() if hvd.is_initialized() else world_rank()}", flush=True)
+
+
+def communicators() -> None:
+    """hvd.init(comm=...) with the user's communicators, the user's own MPI traffic beside
+    Horovod's, and process sets from communicators (4 ranks)."""
+    from mpi4py import MPI
+
+    import horovod.numpy as hvd
+
+    world = MPI.COMM_WORLD
+    w = world.Get_rank()
+    assert world.Get_size() == 4
+    half = world.Split(color=w % 2, key=w)
+    hvd.init(comm=half)
+    assert hvd.size() == 2 and hvd.rank() == w // 2 and hvd.mpi_enabled()
+    errors: list[BaseException] = []
+
+    def user_traffic() -> None:  # the user's own mpi4py calls on another thread meanwhile
+        try:
+            for k in range(100):  # the same count on every rank: these are collectives
+                assert half.allreduce(k) == 2 * k
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=user_traffic)
+    t.start()
+    for i in range(30):
+        s = hvd.allreduce(np.full(8, w, np.float64), op=hvd.Sum, name=f"h{i}")
+        assert (s == (0 + 2 if w % 2 == 0 else 1 + 3)).all(), s
+    t.join()
+    assert not errors, errors
+    assert world.allreduce(w) == 6  # the world communicator is untouched
+    hvd.shutdown()
+    # a list of ranks of MPI_COMM_WORLD; the rank left out is told so
+    if w == 3:
+        try:
+            hvd.init(comm=[0, 1, 2])
+        except ValueError as e:
+            assert "not among them" in str(e), e
+        else:
+            raise AssertionError("rank 3 was let into comm=[0, 1, 2]")
+    else:
+        hvd.init(comm=[0, 1, 2])
+        assert hvd.size() == 3 and hvd.rank() == w
+        assert (hvd.allreduce(np.ones(3), op=hvd.Sum, name="three") == 3).all()
+        hvd.shutdown()
+    world.Barrier()
+    # process sets from communicators: clones and the whole job are left out (upstream's test)
+    sub = world.Split(color=w % 2, key=w)
+    clone, sub_clone = world.Dup(), sub.Dup()
+    sets = [
+        hvd.ProcessSet(sub),
+        hvd.ProcessSet(range(0, 4, 2)),
+        hvd.ProcessSet(clone),
+        hvd.ProcessSet(sub_clone),
+        hvd.ProcessSet([0]),
+    ]
+    hvd.init(comm=world, process_sets=sets)
+    ids = hvd.get_process_set_ids_and_ranks()
+    assert ids == {0: [0, 1, 2, 3], 1: [0, 2], 2: [1, 3], 3: [0]}, ids
+    assert hvd.comm_process_set_id(world) == 0
+    assert hvd.comm_process_set_id(sub) == hvd.comm_process_set_id(sub_clone) == 1 + w % 2
+    mine = sets[0]
+    assert mine.process_set_id == 1 + w % 2 and mine.size() == 2 and mine.rank() == w // 2
+    s = hvd.allreduce(np.full(2, w, np.int64), op=hvd.Sum, process_set=mine, name="psc")
+    assert (s == (2 if w % 2 == 0 else 4)).all()
+    hvd.shutdown()
+    for c in (sub, clone, sub_clone, half):
+        c.Free()
+    print(f"OK {w}", flush=True)
+
+
+def hierarchical() -> None:
+    """Hierarchical allreduce/allgather over MPI: four ranks on two (named) hosts."""
+    layout = sys.argv[2] if len(sys.argv) > 2 else "blocks"
+    w = world_rank()
+    os.environ["HOROVOD_HOSTNAME"] = f"host{w // 2 if layout == 'blocks' else w % 2}"
+    import horovod.numpy as hvd
+    from horovod.core.context import current
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    assert hvd.local_size() == 2 and hvd.cross_size() == 2
+    for count in (5, 1 << 18):
+        x = np.arange(count, dtype=np.float64) * (r + 1)
+        s = hvd.allreduce(x, op=hvd.Sum, name=f"h{count}")
+        assert np.array_equal(s, np.arange(count, dtype=np.float64) * 10)
+        g = hvd.allgather(np.full((r + 1, 3), r, np.int32), name=f"g{count}")
+        assert g[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]
+    levels = current().engine.transport.native._levels
+    assert levels is not None and (levels[1] is not None) == (hvd.local_rank() == 0)
+    hvd.shutdown()
+    print(f"OK {r}", flush=True)
+
+
+def conformance() -> None:
+    """The Transport contract on MPI, as tests/test_transport_conformance.py checks the
+    other planes: the exchange forms, message order, zero-length messages, abort, close."""
+    from mpi4py import MPI
+
+    from horovod.common.exceptions import TransportError
+    from horovod.transport.base import Transport, as_bytes
+    from horovod.transport.mpi import MpiTransport
+
+    class NoControl(Transport):
+        def __init__(self, rank: int, size: int) -> None:
+            self.rank, self.size = rank, size
+
+        def exchange(self, sends, recvs):  # noqa: ANN001
+            raise AssertionError("data goes through MPI")
+
+        def send_ctrl(self, peer, payload):  # noqa: ANN001
+            pass
+
+        def start_ctrl(self, handler):  # noqa: ANN001
+            pass
+
+        def abort(self, reason):  # noqa: ANN001
+            pass
+
+        def close(self):
+            pass
+
+    world = MPI.COMM_WORLD
+    me, n = world.Get_rank(), world.Get_size()
+    threads = threading.active_count()
+    t = MpiTransport(world.Dup(), NoControl(me, n))
+    peers = [p for p in range(n) if p != me]
+    # several messages to one peer arrive in posting order; zero-length ones are skipped
+    sends = [(p, as_bytes(np.full(k + 1, 100 * me + k, np.int32))) for p in peers for k in range(3)]
+    sends += [(p, memoryview(b"")) for p in peers]
+    got = {p: [np.empty(k + 1, np.int32) for k in range(3)] for p in peers}
+    recvs = [(p, as_bytes(got[p][k])) for p in peers for k in range(3)]
+    recvs += [(p, memoryview(bytearray())) for p in peers]
+    t.exchange(sends, recvs)
+    for p in peers:
+        assert [a.tolist() for a in got[p]] == [[100 * p + k] * (k + 1) for k in range(3)]
+    # exchange_reduce folds arrivals into arrays
+    acc = np.full(4, float(me))
+    t.exchange_reduce(
+        [(p, as_bytes(np.full(4, float(me)))) for p in peers], [], [(p, acc, np.add) for p in peers]
+    )
+    assert (acc == sum(range(n))).all(), acc
+    # exchange_copy: local copies beside the transfers
+    dst, src = np.zeros(3), np.arange(3.0)
+    t.exchange_copy([], [], [(as_bytes(dst), as_bytes(src))])
+    assert (dst == src).all()
+    # exchange_pair / exchange_oneway between ranks 0 and 1
+    if me < 2:
+        buf = np.full(5, 7.0) if me == 0 else np.zeros(5)
+        t.exchange_pair(1 - me, as_bytes(buf), send=me == 0)
+        assert (buf == 7.0).all()
+    # native collectives on a subset view
+    from horovod.transport.base import SubTransport
+
+    if me in (0, n - 1):
+        view = SubTransport(t, [0, n - 1])
+        x = np.full(3, me + 1.0)
+        assert view.native.allreduce(x, np.add, False, None) and (x == n + 1).all()
+    # abort ends a wait that would never finish, promptly, with its reason
+    world.Barrier()
+    if me == 0:
+        lonely = np.empty(1, np.int8)
+        threading.Timer(0.3, t.abort, args=("rank 1 was lost",)).start()
+        t0 = time.monotonic()
+        try:
+            t.exchange([], [(1, as_bytes(lonely))])
+        except TransportError as e:
+            assert "rank 1 was lost" in str(e) and time.monotonic() - t0 < 5
+        else:
+            raise AssertionError("abort did not end the exchange")
+    world.Barrier()
+    if me == 1:  # complete rank 0's abandoned receive, so MPI ends cleanly
+        t.comm.Send(np.zeros(1, np.int8), dest=0, tag=0)
+    world.Barrier()
+    t.close()
+    time.sleep(0.1)
+    assert threading.active_count() == threads, threading.enumerate()
+    print(f"OK {me}", flush=True)
+
+
+def lost() -> None:
+    """Rank 1 dies during training; the job must end (never hang)."""
+    import horovod.numpy as hvd
+
+    hvd.init()
+    for step in range(1000):
+        if hvd.rank() == 1 and step == 3:
+            os._exit(3)
+        hvd.allreduce(np.ones(1 << 16, np.float32), name="grad")
+    print("survived", flush=True)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
