@@ -20,12 +20,12 @@ def collectives() -> None:
     """Every collective on the MPI plane, against formulas (HOROVOD_CPU_OPERATIONS=mpi)."""
     import horovod.numpy as hvd
     from horovod.core.context import current
-    from horovod.transport.mpi import MpiTransport
+    from horovod.transport.mpi import MpiCollectives
 
     hvd.init(process_sets=[hvd.ProcessSet([0, 2]), hvd.ProcessSet([1])])
     r, n = hvd.rank(), hvd.size()
     assert n == 3, n
-    assert isinstance(current().engine.transport, MpiTransport)
+    assert isinstance(current().engine.transport.native, MpiCollectives)
     assert hvd.mpi_enabled() and not hvd.gloo_enabled() and hvd.mpi_threads_supported()
     tri = n * (n + 1) // 2
     # every dtype and reduction (bool and bfloat16 have no MPI reduction: the project's
@@ -115,7 +115,8 @@ def plain() -> None:
 
     hvd.init()
     assert hvd.mpi_enabled() and not hvd.gloo_enabled()
-    assert type(current().engine.transport).__name__ == "ShmTransport"
+    transport = current().engine.transport
+    assert type(transport).__name__ == "ShmTransport" and transport.native is None
     s = hvd.allreduce(np.full(3, hvd.rank() + 1.0), op=hvd.Sum)
     assert (s == hvd.size() * (hvd.size() + 1) / 2).all()
     hvd.shutdown()
@@ -138,9 +139,14 @@ def communicators() -> None:
     errors: list[BaseException] = []
 
     def user_traffic() -> None:  # the user's own mpi4py calls on another thread meanwhile
+        # (buffer-mode calls: mpi4py's object-mode ones keep the GIL while inside MPI,
+        # docs/mpi.md)
+        buf = np.empty(1, np.int64)
         try:
             for k in range(100):  # the same count on every rank: these are collectives
-                assert half.allreduce(k) == 2 * k
+                buf[0] = k
+                half.Allreduce(MPI.IN_PLACE, buf)
+                assert buf[0] == 2 * k, buf
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
@@ -186,8 +192,19 @@ def communicators() -> None:
     assert mine.process_set_id == 1 + w % 2 and mine.size() == 2 and mine.rank() == w // 2
     s = hvd.allreduce(np.full(2, w, np.int64), op=hvd.Sum, process_set=mine, name="psc")
     assert (s == (2 if w % 2 == 0 else 4)).all()
+    hvd.barrier()  # shutdown on one rank ends the job's pending collectives on all
     hvd.shutdown()
-    for c in (sub, clone, sub_clone, half):
+    # a dynamic process set from a communicator (rank 3, outside it, passes the same ranks)
+    first3 = world.Split(color=0 if w < 3 else 1, key=w)
+    hvd.init(comm=world, process_sets="dynamic")
+    ps = hvd.add_process_set(hvd.ProcessSet(first3) if w < 3 else hvd.ProcessSet([0, 1, 2]))
+    assert ps.ranks == [0, 1, 2] and hvd.comm_process_set_id(world) == 0
+    if w < 3:
+        s = hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=ps, name="dyn")
+        assert (s == 3).all() and hvd.comm_process_set_id(first3) == ps.process_set_id
+    hvd.barrier()
+    hvd.shutdown()
+    for c in (sub, clone, sub_clone, half, first3):
         c.Free()
     print(f"OK {w}", flush=True)
 
@@ -203,13 +220,15 @@ def hierarchical() -> None:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     assert hvd.local_size() == 2 and hvd.cross_size() == 2
+    # several hosts: every byte through MPI, control through TCP
+    assert type(current().engine.transport).__name__ == "MpiTransport"
     for count in (5, 1 << 18):
         x = np.arange(count, dtype=np.float64) * (r + 1)
         s = hvd.allreduce(x, op=hvd.Sum, name=f"h{count}")
         assert np.array_equal(s, np.arange(count, dtype=np.float64) * 10)
         g = hvd.allgather(np.full((r + 1, 3), r, np.int32), name=f"g{count}")
         assert g[:, 0].tolist() == [k for k in range(n) for _ in range(k + 1)]
-    levels = current().engine.transport.native._levels
+    levels = current().engine.transport.native._levels  # (host, leaders) communicators
     assert levels is not None and (levels[1] is not None) == (hvd.local_rank() == 0)
     hvd.shutdown()
     print(f"OK {r}", flush=True)

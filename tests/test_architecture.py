@@ -41,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     # tools on top: nothing in the runtime imports them (no layer above lists them)
     "timeline": {"common"},
     "testing": {"common", "core", "frontend", "transport", "numpy"},
-    "benchmarks": {"common", "testing", "numpy", "torch", "tensorflow", "jax"},
+    # (transport: the MPI plane benchmark times the plane's MPI calls)
+    "benchmarks": {"common", "testing", "numpy", "torch", "tensorflow", "jax", "transport"},
     # ``horovod`` itself: its version and ``horovod.run``
     "horovod": {"runner"},
 }

@@ -381,6 +381,11 @@ def test_collectives_benchmark_ratio_columns():
         ("ours-tcp", "base-tcp"),
     ]
     assert ratio_columns(["gloo", "mpi"]) == []
+    assert ratio_columns(["ours", "ours-mpi", "mpi"]) == [
+        ("ours", "ours-mpi"),
+        ("ours", "mpi"),
+        ("ours-mpi", "mpi"),
+    ]
 
 
 def test_collectives_benchmark_keeps_each_figures_fastest_pass():

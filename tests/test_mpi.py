@@ -128,7 +128,7 @@ def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path):
         "import numpy as np, horovod.numpy as hvd\n"
         "from horovod.core.context import current\n"
         "hvd.init()\n"
-        "t = type(current().engine.transport).__name__\n"
+        "t = type(current().engine.transport.native).__name__\n"
         "s = hvd.allreduce(np.ones(4) * (hvd.rank() + 1), op=hvd.Sum)\n"
         "print('rank', hvd.rank(), 'of', hvd.size(), t, s.tolist(), flush=True)\n"
     )
@@ -143,7 +143,7 @@ def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     for k in range(2):  # Open MPI's --tag-output prefix, upstream's familiar one
-        assert f"[1,{k}]<stdout>: rank {k} of 2 MpiTransport [3.0, 3.0, 3.0, 3.0]" in r.stdout
+        assert f"[1,{k}]<stdout>: rank {k} of 2 MpiCollectives [3.0, 3.0, 3.0, 3.0]" in r.stdout
 
 
 @needs_mpi
@@ -235,3 +235,56 @@ def test_ranks_get_mpi_start_up_unless_the_environment_chose_the_built_in_planes
     assert env["HOROVOD_CYCLE_TIME"] == "2.0" and env["PATH"] == "/bin"
     kept = mpi_run.worker_env({"HOROVOD_CPU_OPERATIONS": "gloo"}, {})
     assert kept["HOROVOD_CPU_OPERATIONS"] == "gloo"
+
+
+# ---------------------------------------------------------------------------- examples
+@needs_mpi
+def test_the_numpy_example_runs_under_plain_mpirun_unchanged():
+    r = subprocess.run(
+        [MPIRUN, *AS_ROOT, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH"]
+        + [sys.executable, str(ROOT / "examples" / "numpy_digits.py")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "training on 2 rank(s)" in r.stdout and "replicas identical: True" in r.stdout
+
+
+@needs_mpi
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_main_example_trains_under_horovodrun_mpi(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2"]
+        + [sys.executable, str(ROOT / "examples" / "pytorch_digits.py")]
+        + ["--checkpoint", str(tmp_path / "ckpt.pt")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "[1,0]<stdout>: epoch 10:" in r.stdout
+
+
+# ---------------------------------------------------------------------------- benchmarks
+@needs_mpi
+def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers():
+    r = subprocess.run(
+        [sys.executable, "-m", "horovod.benchmarks.mpi_plane"]
+        + ["--sizes", "1M", "--iters", "2", "--repeats", "1"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| all") or "| broadcast" in line]
+    assert len(rows) == 3, r.stdout
+    for row in rows:  # the ratio column is a number; the allreduce went through MPI
+        float(row.strip("|").split("|")[-1])
+    assert not rows[0].split("|")[4].strip().startswith("0 us"), rows[0]

@@ -4,8 +4,10 @@
     python -m horovod.benchmarks.collectives --np 4 --peers ours,gloo --max-bytes 16M
 
 Peers: ``ours`` (pyhorovod as it runs by default: shared memory between ranks on one host),
-``ours-tcp`` (the same with HOROVOD_SHARED_MEMORY=0, the path between hosts), ``gloo``
-(torch.distributed), ``mpi`` (Open MPI through mpi4py). A ``memcpy`` column gives one process
+``ours-tcp`` (the same with HOROVOD_SHARED_MEMORY=0, the path between hosts), ``ours-mpi``
+(the same under mpirun with HOROVOD_CPU_OPERATIONS=mpi: the MPI data plane, compared with
+``mpi`` in its own ratio column), ``gloo`` (torch.distributed), ``mpi`` (Open MPI through
+mpi4py). A ``memcpy`` column gives one process
 copying the same buffer, the physical reference. ``--baseline DIR`` adds ``base`` and
 ``base-tcp``: the same jobs run with the pyhorovod of another checkout (``DIR`` holds its
 ``horovod`` package, e.g. ``git worktree add /tmp/base <commit>``), interleaved with the
@@ -149,6 +151,8 @@ WORKERS = {"ours": worker_ours, "gloo": worker_gloo, "mpi": worker_mpi}
 PEERS = {
     "ours": ("horovodrun", "ours", {}),
     "ours-tcp": ("horovodrun", "ours", {"HOROVOD_SHARED_MEMORY": "0"}),
+    # the MPI data plane: the same job under mpirun, data through MPI's collectives
+    "ours-mpi": ("mpirun", "ours", {"HOROVOD_CPU_OPERATIONS": "mpi"}),
     "gloo": ("torchrun", "gloo", {}),
     "mpi": ("mpirun", "mpi", {}),
 }
@@ -176,7 +180,7 @@ def available(peer: str) -> str | None:
         return f"unknown peer (choose from {', '.join(PEERS)})"
     if peer == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch)"
-    if peer == "mpi":
+    if peer in ("mpi", "ours-mpi"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (pip install mpi4py)"
         if shutil.which("mpirun") is None:
@@ -237,10 +241,11 @@ def ratio_columns(peers: list[str]) -> list[tuple[str, str]]:
     """(numerator, denominator) of each ratio column: ours against every other peer; with a
     baseline (``--baseline``), the baseline against the same peers, and each of our paths
     against the baseline's run of it (the change's own effect)."""
+    mpi_cost = [("ours-mpi", "mpi")] if "ours-mpi" in peers and "mpi" in peers else []
     if "ours" not in peers:
-        return []
+        return mpi_cost  # the MPI plane's cost over raw mpi4py
     mine = [p for p in peers if not p.startswith("base")]
-    cols = [("ours", p) for p in mine if p != "ours"]
+    cols = [("ours", p) for p in mine if p != "ours"] + mpi_cost
     if "base" in peers:
         cols += [("base", p) for p in mine if not p.startswith("ours")]
         cols += [
@@ -284,7 +289,7 @@ def table(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", type=int, default=2)
-    ap.add_argument("--peers", default="ours,ours-tcp,gloo,mpi")
+    ap.add_argument("--peers", default="ours,ours-tcp,ours-mpi,gloo,mpi")
     ap.add_argument("--max-bytes", default="64M")
     ap.add_argument("--sizes", help=argparse.SUPPRESS)
     ap.add_argument(

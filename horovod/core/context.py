@@ -386,9 +386,7 @@ class Context:
             alg.HIERARCHICAL_ALLREDUCE = cfg.hierarchical_allreduce
             alg.HIERARCHICAL_ALLGATHER = cfg.hierarchical_allgather
             if mpi is not None and mpi.data_plane and cfg.size > 1:
-                from horovod.transport.mpi import MpiTransport
-
-                transport = MpiTransport(mpi.take_comm(), control=transport)
+                transport = self._with_mpi(cfg, store, scope, transport, mpi)
             elif spec is None and cfg.size > 1 and cfg.shared_memory:
                 transport = self._with_shared_memory(cfg, store, scope, transport)
             transport.hosts = list(self.hostnames)
@@ -525,6 +523,28 @@ class Context:
             timeout=cfg.timeout_seconds,
         )
         return store, transport
+
+    def _with_mpi(
+        self,
+        cfg: Config,
+        store: Store,
+        scope: str,
+        transport: Transport,
+        mpi: mpi_world.MpiWorld,
+    ) -> Transport:
+        """The MPI data plane (horovod.transport.mpi): on one host, MPI's collectives on the
+        shared-memory transport (whose control and peer rounds keep small operations fast);
+        across hosts, every byte through MPI and control through ``transport`` (TCP)."""
+        from horovod.transport import mpi as mpi_plane
+
+        warn = 0.0 if cfg.stall_check_disable else cfg.stall_check_time_seconds
+        stop = cfg.stall_shutdown_time_seconds
+        comm = mpi.take_comm()
+        if cfg.shared_memory and len(set(self.hostnames)) == 1:
+            shm = self._with_shared_memory(cfg, store, scope, transport)
+            plane = mpi_plane.MpiPlane(comm, lambda: getattr(shm, "aborted", None), warn, stop)
+            return mpi_plane.attach(shm, plane)
+        return mpi_plane.MpiTransport(comm, transport, warn, stop)
 
     def _with_shared_memory(
         self, cfg: Config, store: Store, scope: str, transport: Transport

@@ -91,7 +91,8 @@ def execute(
     or for alltoall ``(output, received_splits)``). ``trace(name)`` marks the start of each
     activity (timeline spans such as ``MEMCPY_IN_FUSION_BUFFER``); ``trace(None)`` the end."""
     op = resp.op
-    kind = getattr(t, "kind", "DIRECT")
+    nat = alg.native(t)  # the plane's own collectives (MPI) name the activities when present
+    kind = nat.kind if nat is not None else getattr(t, "kind", "DIRECT")
     if op == ALLREDUCE:
         out = _allreduce(resp, entries, t, buffers, trace, kind)
     elif op == ALLGATHER:

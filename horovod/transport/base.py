@@ -281,8 +281,9 @@ class SubTransport:
     def native(self) -> object | None:
         """The parent plane's collectives on a communicator of these ranks (made by the
         plane on first use), or None where the plane has none."""
-        if self._native is None and getattr(self.parent, "native", None) is not None:
-            self._native = self.parent.subset(self.ranks)  # type: ignore[attr-defined]
+        whole = getattr(self.parent, "native", None)
+        if self._native is None and whole is not None:
+            self._native = whole.subset(self.ranks)
         return self._native
 
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:

@@ -1,41 +1,52 @@
-"""The MPI data plane: data moves through an MPI communicator (mpi4py), control stays on the
-project's own star.
+"""The MPI data plane: MPI's own collectives (mpi4py) for the data, the project's engine for
+everything else.
 
-``MpiTransport`` implements the ``Transport`` contract on a communicator Horovod owns (a
-duplicate of the job's, so the user's own mpi4py traffic never matches ours): ``exchange`` and
-its forms are ``Isend``/``Irecv`` pairs (MPI keeps messages between a pair in posting order,
-which is the contract's matching rule), and ``native`` offers MPI's own collectives, which the
-algorithms prefer where MPI has the operation for the buffer's type (``MpiCollectives``).
-Control messages (negotiation, the hang doctor's pings) go through the control transport it is
-given (TCP), so negotiation, the response cache and error reports work as on every plane.
+``MpiPlane`` owns Horovod's communicator (a duplicate of the job's, so the user's own mpi4py
+traffic never matches ours) and runs MPI's blocking collectives on it (``MpiCollectives``: the
+algorithms prefer them where MPI has the operation for the buffer's type; the non-blocking
+forms, Open MPI's libnbc, measured 2.5-3.5x slower for 1-64 MiB). The plane is attached to the
+job's transport as ``native``: on one host that is the shared-memory transport, whose control
+messages and peer rounds keep small operations at shared-memory latency; otherwise
+``MpiTransport``, whose point-to-point messages go through MPI as well (``Isend``/``Irecv``,
+matched in posting order, the contract's rule) and whose control messages go through the TCP
+star it is given. Negotiation, the response cache, fusion, the timeline and error reports are
+the engine's on every plane.
 
-Every MPI call here is non-blocking and completed by polling (``MPI_Test``), never a blocking
-wait: ``abort`` (a lost peer seen on the control plane, the stall shutdown) makes an operation
-in progress raise ``TransportError`` at once instead of leaving the engine thread inside MPI.
+A blocking MPI call cannot be interrupted. The plane checks for an abort before each call, and
+a watchdog thread (while a call is in progress) warns when one has run for the stall-check
+time, and ends the whole MPI job with ``MPI_Abort`` when one outlives the stall shutdown time,
+or when the transport was aborted (a peer lost on the control plane) and the call has not
+returned a few seconds later: an MPI job never hangs silently. (A rank that dies is also seen by
+``mpirun``, which ends the job.)
 
 Process sets get sub-communicators (``MPI_Comm_create_group``, collective over the set's members
 only), made when the set first runs an operation natively: every member runs the same responses
 in the same order, so they all create it at the same point. Hierarchical allreduce and allgather
-(``HOROVOD_HIERARCHICAL_*``) run as MPI operations on a host communicator (``MPI_Comm_split_type``
-shared: MPI moves that data through shared memory) and a leaders' communicator.
+(``HOROVOD_HIERARCHICAL_*``) run on a host communicator (MPI moves that data through shared
+memory) and a leaders' communicator.
 
-Must not touch: the engine, negotiation, other planes (the control transport only through the
+Must not touch: the engine, negotiation, other planes (it sees a transport only through the
 ``Transport`` contract), mpi4py's initialisation (the job's world does that).
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from horovod.common import log
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler, Message, Transport
 
 # Buffer types MPI reduces natively (mpi4py maps them; float16 is Open MPI's MPIX_C_FLOAT16).
-# Others (bool, bfloat16) run the project's algorithms over this plane's point-to-point.
+# Others (bool, bfloat16) run the project's algorithms over the transport's point-to-point.
 REDUCIBLE = frozenset("ebBhHiIlLqQfd")
+ABORT_GRACE_S = 5.0  # after an abort, how long a blocking call may go on before MPI_Abort
 
 
 def _mpi() -> Any:
@@ -44,22 +55,139 @@ def _mpi() -> Any:
     return MPI
 
 
+class MpiPlane:
+    """Horovod's communicator and the blocking calls made on it (module docstring).
+    ``aborted`` tells whether the transport the plane is attached to was aborted."""
+
+    kind = "MPI"
+
+    def __init__(
+        self,
+        comm: Any,
+        aborted: Callable[[], str | None],
+        warn_s: float = 0.0,
+        shutdown_s: float = 0.0,
+    ) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._aborted = aborted
+        self._warn_s, self._shutdown_s = warn_s, shutdown_s
+        self._busy: tuple[str, float] | None = None  # (what, since) of the call in progress
+        self._abort_seen: float | None = None
+        self._wake = threading.Event()
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        self._subsets: dict[tuple[int, ...], MpiCollectives] = {}
+        self.world = MpiCollectives(self, _Lazy(lambda: comm))
+
+    # ------------------------------------------------------------------ calls
+    def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run one blocking MPI call (``what`` names it for the watchdog's report)."""
+        why = self._aborted()
+        if why is not None:
+            raise TransportError(why)
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(
+                target=self._watch, daemon=True, name=f"horovod-mpi-watchdog-{self.rank}"
+            )
+            self._watchdog.start()
+        self._busy = (what, time.monotonic())
+        try:
+            fn(*args, **kwargs)
+        finally:
+            self._busy = None
+
+    def wait(self, requests: list[Any]) -> None:
+        """Complete non-blocking point-to-point requests, polling so that an abort ends the
+        wait with ``TransportError``."""
+        MPI = _mpi()
+        while not MPI.Request.Testall(requests):
+            why = self._aborted()
+            if why is not None:
+                raise TransportError(why)
+
+    def _watch(self) -> None:
+        warned: tuple[str, float] | None = None
+        while not self._closed:
+            self._wake.wait(1.0)
+            busy = self._busy
+            if busy is None or self._closed:
+                continue
+            what, since = busy
+            now = time.monotonic()
+            late = now - since
+            why = self._aborted()
+            if why is not None and self._abort_seen is None:
+                self._abort_seen = now
+            if self._warn_s > 0 and late > self._warn_s and warned != busy:
+                warned = busy
+                log.logger.warning(
+                    "rank %d: %s has been in MPI for %.0f s: a rank of this communicator may "
+                    "be stuck (or stopped) before or inside it",
+                    self.rank,
+                    what,
+                    late,
+                )
+            over = self._shutdown_s > 0 and late > self._shutdown_s
+            gone = self._abort_seen is not None and now - self._abort_seen > ABORT_GRACE_S
+            if over or gone:
+                reason = (
+                    f"{what} has not returned after {late:.0f} s "
+                    f"(HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self._shutdown_s:g})"
+                    if over
+                    else f"{what} did not return after the job failed ({why})"
+                )
+                print(
+                    f"horovod: rank {self.rank}: {reason}; ending the MPI job with MPI_Abort",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _mpi().COMM_WORLD.Abort(1)
+
+    # ------------------------------------------------------------------ sub-communicators
+    def subset(self, ranks: Sequence[int]) -> MpiCollectives:
+        """MPI's collectives on a sub-communicator of ``ranks`` (this rank among them)."""
+        key = tuple(ranks)
+        found = self._subsets.get(key)
+        if found is None:
+            comm = self.comm
+
+            def make() -> Any:
+                group = comm.Get_group().Incl(list(key))
+                try:
+                    return comm.Create_group(group, tag=_tag(key))
+                finally:
+                    group.Free()
+
+            found = self._subsets[key] = MpiCollectives(self, _Lazy(make))
+        return found
+
+    def close(self, free: bool = True) -> None:
+        """Stop the watchdog; free the communicators unless a call may still be in flight."""
+        self._closed = True
+        self._wake.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
+        if not free or self._aborted() is not None:
+            return  # a peer may be lost mid-operation: leave MPI's objects be
+        for sub in self._subsets.values():
+            sub.free()
+        self._subsets.clear()
+        self.world.free(keep_comm=True)
+        self.comm.Free()
+
+
 class _Lazy:
     """A communicator made on first use (``make`` is collective over its members)."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self._make = make
-        self._comm: Any = None
+        self.comm: Any = None
 
     def get(self) -> Any:
-        if self._comm is None:
-            self._comm = self._make()
-        return self._comm
-
-    def free(self) -> None:
-        if self._comm is not None:
-            self._comm.Free()
-            self._comm = None
+        if self.comm is None:
+            self.comm = self._make()
+        return self.comm
 
 
 class MpiCollectives:
@@ -67,10 +195,11 @@ class MpiCollectives:
     returns False, having done nothing, where MPI lacks the operation for the buffer; the
     caller then runs its own algorithm over point-to-point."""
 
-    def __init__(self, plane: MpiTransport, comm: _Lazy, ranks: Sequence[int] | None) -> None:
+    kind = "MPI"
+
+    def __init__(self, plane: MpiPlane, comm: _Lazy) -> None:
         self._plane = plane
         self._comm = comm
-        self._ranks = None if ranks is None else list(ranks)  # plane ranks of the members
         self._levels: tuple[Any, Any] | None = None  # (host comm, leaders' comm or None)
         self._levels_made = False
         MPI = _mpi()
@@ -80,6 +209,9 @@ class MpiCollectives:
             np.maximum: MPI.MAX,
             np.multiply: MPI.PROD,
         }
+
+    def subset(self, ranks: Sequence[int]) -> MpiCollectives:
+        return self._plane.subset(ranks)
 
     def _op(self, op: Callable[..., np.ndarray], buf: np.ndarray) -> Any:
         if buf.dtype.char not in REDUCIBLE:
@@ -93,13 +225,12 @@ class MpiCollectives:
             self._levels_made = True
             comm = self._comm.get()
             names = list(hosts or [])
-            if len(set(names)) > 1 and len(set(names)) < len(names):
+            if 1 < len(set(names)) < len(names):
                 me = comm.Get_rank()
                 colour = sorted(set(names), key=names.index).index(names[me])
                 local = comm.Split(colour, me)
                 leader = local.Get_rank() == 0
-                MPI = _mpi()
-                leaders = comm.Split(0 if leader else MPI.UNDEFINED, me)
+                leaders = comm.Split(0 if leader else _mpi().UNDEFINED, me)
                 self._levels = (local, leaders if leader else None)
         return self._levels
 
@@ -111,66 +242,65 @@ class MpiCollectives:
         if mpi_op is None:
             return False
         MPI = _mpi()
+        call = self._plane.call
         levels = self._host_levels(hosts) if hierarchical else None
         if levels is None:
-            self._plane.wait(self._comm.get().Iallreduce(MPI.IN_PLACE, buf, mpi_op))
+            call("MPI_ALLREDUCE", self._comm.get().Allreduce, MPI.IN_PLACE, buf, mpi_op)
             return True
         local, leaders = levels
-        wait = self._plane.wait
-        wait(local.Ireduce(MPI.IN_PLACE if leaders is not None else buf, buf, mpi_op, root=0))
         if leaders is not None:
-            wait(leaders.Iallreduce(MPI.IN_PLACE, buf, mpi_op))
-        wait(local.Ibcast(buf, root=0))
+            call("MPI_REDUCE (host)", local.Reduce, MPI.IN_PLACE, buf, mpi_op, root=0)
+            call("MPI_ALLREDUCE (leaders)", leaders.Allreduce, MPI.IN_PLACE, buf, mpi_op)
+        else:
+            call("MPI_REDUCE (host)", local.Reduce, buf, None, mpi_op, root=0)
+        call("MPI_BCAST (host)", local.Bcast, buf, root=0)
         return True
 
     def allgatherv(self, out: np.ndarray, nbytes: Sequence[int], hierarchical: bool, hosts) -> bool:
         """``out`` (bytes) holds this rank's block at its place already."""
         MPI = _mpi()
+        call = self._plane.call
         displs = _offsets(nbytes)
         levels = self._host_levels(hosts) if hierarchical else None
         if levels is not None and _contiguous_hosts(hosts):
             local, leaders = levels
-            me = self._comm.get().Get_rank()
             names = list(hosts)
+            me = self._comm.get().Get_rank()
             members = [r for r, h in enumerate(names) if h == names[me]]
             first = members[0]
             # The host's ranks are consecutive: gather them into the host's run of ``out``.
-            wait = self._plane.wait
             counts = [nbytes[r] for r in members]
             host_displs = [displs[r] - displs[first] for r in members]
             run = out[displs[first] : displs[first] + sum(counts)]
             if leaders is not None:
-                wait(local.Igatherv(MPI.IN_PLACE, [run, (counts, host_displs), MPI.BYTE], root=0))
+                spec = [run, (counts, host_displs), MPI.BYTE]
+                call("MPI_GATHERV (host)", local.Gatherv, MPI.IN_PLACE, spec, root=0)
                 order = sorted(set(names), key=names.index)
                 per_host = [sum(nbytes[r] for r, h in enumerate(names) if h == x) for x in order]
                 starts = [displs[names.index(x)] for x in order]
-                wait(leaders.Iallgatherv(MPI.IN_PLACE, [out, (per_host, starts), MPI.BYTE]))
+                spec = [out, (per_host, starts), MPI.BYTE]
+                call("MPI_ALLGATHERV (leaders)", leaders.Allgatherv, MPI.IN_PLACE, spec)
             else:
                 mine = out[displs[me] : displs[me] + nbytes[me]]
-                wait(local.Igatherv([mine, MPI.BYTE], None, root=0))
-            wait(local.Ibcast([out, MPI.BYTE], root=0))
+                call("MPI_GATHERV (host)", local.Gatherv, [mine, MPI.BYTE], None, root=0)
+            call("MPI_BCAST (host)", local.Bcast, [out, MPI.BYTE], root=0)
             return True
-        self._plane.wait(
-            self._comm.get().Iallgatherv(MPI.IN_PLACE, [out, (list(nbytes), displs), MPI.BYTE])
-        )
+        spec = [out, (list(nbytes), displs), MPI.BYTE]
+        call("MPI_ALLGATHERV", self._comm.get().Allgatherv, MPI.IN_PLACE, spec)
         return True
 
     def broadcast(self, buf: np.ndarray, root: int) -> bool:
         MPI = _mpi()
-        self._plane.wait(self._comm.get().Ibcast([_bytes(buf), MPI.BYTE], root=root))
+        self._plane.call("MPI_BCAST", self._comm.get().Bcast, [_bytes(buf), MPI.BYTE], root=root)
         return True
 
     def alltoallv(
-        self,
-        src: np.ndarray,
-        send_nbytes: Sequence[int],
-        dst: np.ndarray,
-        recv_nbytes: Sequence[int],
+        self, src: np.ndarray, send_nbytes: Sequence[int], dst: np.ndarray, recv_nbytes: Sequence[int]
     ) -> bool:
         MPI = _mpi()
         s = [_bytes(src), (list(send_nbytes), _offsets(send_nbytes)), MPI.BYTE]
         r = [_bytes(dst), (list(recv_nbytes), _offsets(recv_nbytes)), MPI.BYTE]
-        self._plane.wait(self._comm.get().Ialltoallv(s, r))
+        self._plane.call("MPI_ALLTOALLV", self._comm.get().Alltoallv, s, r)
         return True
 
     def reduce_scatter(
@@ -181,19 +311,23 @@ class MpiCollectives:
         mpi_op = self._op(op, buf)
         if mpi_op is None:
             return False
-        self._plane.wait(self._comm.get().Ireduce_scatter(buf, out, list(counts), mpi_op))
+        comm = self._comm.get()
+        self._plane.call("MPI_REDUCE_SCATTER", comm.Reduce_scatter, buf, out, list(counts), mpi_op)
         return True
 
     def barrier(self) -> bool:
-        self._plane.wait(self._comm.get().Ibarrier())
+        self._plane.call("MPI_BARRIER", self._comm.get().Barrier)
         return True
 
-    def free(self) -> None:
+    def free(self, keep_comm: bool = False) -> None:
         if self._levels is not None:
             for c in self._levels:
                 if c is not None:
                     c.Free()
             self._levels = None
+        if not keep_comm and self._comm.comm is not None:
+            self._comm.comm.Free()
+            self._comm.comm = None
 
 
 def _offsets(counts: Sequence[int]) -> list[int]:
@@ -219,42 +353,49 @@ def _contiguous_hosts(hosts: Sequence[str]) -> bool:
     return True
 
 
+def _tag(ranks: tuple[int, ...]) -> int:
+    """A tag for ``MPI_Comm_create_group`` of these ranks (any value works: the engine
+    creates one group at a time; distinct tags keep MPI's matching obvious)."""
+    return hash(ranks) & 0x7FFF
+
+
+def attach(transport: Transport, plane: MpiPlane) -> Transport:
+    """Give a built-in transport (shared memory) MPI's collectives for its data; its own
+    point-to-point and control stay. ``transport.close`` then closes the plane too."""
+    transport.native = plane.world
+    inner_close = transport.close
+
+    def close() -> None:
+        inner_close()
+        plane.close()
+
+    transport.close = close  # type: ignore[method-assign]
+    return transport
+
+
 class MpiTransport(Transport):
-    """The data plane on MPI communicator ``comm`` (owned: freed by ``close``); control
-    messages through ``control``, a transport of the same ranks."""
+    """Every byte through MPI: point-to-point and collectives on the plane's communicator;
+    control messages through ``control``, a transport of the same ranks (TCP)."""
 
     kind = "MPI"
 
-    def __init__(self, comm: Any, control: Transport) -> None:
+    def __init__(self, comm: Any, control: Transport, warn_s: float = 0.0, shutdown_s: float = 0.0):
         if comm.Get_size() != control.size or comm.Get_rank() != control.rank:
             raise ValueError(
                 f"the MPI communicator (rank {comm.Get_rank()} of {comm.Get_size()}) and the "
                 f"control plane (rank {control.rank} of {control.size}) disagree"
             )
-        self.comm = comm
         self.rank, self.size = control.rank, control.size
         self._control = control
         self._aborted: str | None = None
-        self._subsets: dict[tuple[int, ...], MpiCollectives] = {}
-        self._world = _Lazy(lambda: comm)
-        self.native: MpiCollectives | None = MpiCollectives(self, self._world, None)
+        self.plane = MpiPlane(comm, lambda: self._aborted, warn_s, shutdown_s)
+        self.comm = comm
+        self.native = self.plane.world
 
-    # ------------------------------------------------------------------ waiting
     @property
     def aborted(self) -> str | None:
         return self._aborted
 
-    def wait(self, request: Any) -> None:
-        """Complete ``request`` (or a list of them), polling so that ``abort`` ends the wait."""
-        if isinstance(request, list):
-            test: Callable[[], bool] = lambda: _mpi().Request.Testall(request)  # noqa: E731
-        else:
-            test = request.Test
-        while not test():
-            if self._aborted is not None:
-                raise TransportError(self._aborted)
-
-    # ------------------------------------------------------------------ data
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         if self._aborted is not None:
             raise TransportError(self._aborted)
@@ -263,26 +404,8 @@ class MpiTransport(Transport):
         reqs = [comm.Irecv([mv, MPI.BYTE], source=p, tag=0) for p, mv in recvs if mv.nbytes]
         reqs += [comm.Isend([mv, MPI.BYTE], dest=p, tag=0) for p, mv in sends if mv.nbytes]
         if reqs:
-            self.wait(reqs)
+            self.plane.wait(reqs)
 
-    def subset(self, ranks: Sequence[int]) -> MpiCollectives:
-        """MPI's collectives on a sub-communicator of ``ranks`` (this rank among them)."""
-        key = tuple(ranks)
-        found = self._subsets.get(key)
-        if found is None:
-            comm = self.comm
-
-            def make() -> Any:
-                group = comm.Get_group().Incl(list(key))
-                try:
-                    return comm.Create_group(group, tag=_tag(key))
-                finally:
-                    group.Free()
-
-            found = self._subsets[key] = MpiCollectives(self, _Lazy(make), key)
-        return found
-
-    # ------------------------------------------------------------------ control
     def send_ctrl(self, peer: int, payload: bytes) -> None:
         self._control.send_ctrl(peer, payload)
 
@@ -296,18 +419,4 @@ class MpiTransport(Transport):
 
     def close(self) -> None:
         self._control.close()
-        if self._aborted is not None:
-            return  # operations may be in flight with a lost peer: leave MPI's objects be
-        for sub in self._subsets.values():
-            sub.free()
-            sub._comm.free()
-        self._subsets.clear()
-        if self.native is not None:
-            self.native.free()
-        self.comm.Free()
-
-
-def _tag(ranks: tuple[int, ...]) -> int:
-    """A tag for ``MPI_Comm_create_group`` of these ranks (any value works: the engine
-    creates one group at a time; distinct tags keep MPI's matching obvious)."""
-    return hash(ranks) & 0x7FFF
+        self.plane.close()
