@@ -320,6 +320,25 @@ def conformance() -> None:
     print(f"OK {me}", flush=True)
 
 
+def watchdog() -> None:
+    """A blocking MPI call that a rank never joins: the plane's watchdog warns at the stall
+    check time and ends the MPI job at the stall shutdown time."""
+    import logging
+
+    from mpi4py import MPI
+
+    from horovod.transport.mpi import MpiPlane
+
+    logging.basicConfig(level=logging.WARNING)
+    world = MPI.COMM_WORLD
+    plane = MpiPlane(world.Dup(), lambda: None, warn_s=1.0, shutdown_s=2.5)
+    if world.Get_rank() == 0:
+        plane.call("MPI_BARRIER (test)", plane.comm.Barrier)
+    else:
+        time.sleep(60)  # never joins in time
+    print("the watchdog did not end the job", flush=True)
+
+
 def lost() -> None:
     """Rank 1 dies during training; the job must end (never hang)."""
     import horovod.numpy as hvd

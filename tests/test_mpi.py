@@ -106,6 +106,17 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging():
 
 
 @needs_mpi
+def test_a_stuck_mpi_call_is_reported_and_ends_the_job_at_the_stall_shutdown():
+    t0 = time.monotonic()
+    r = mpirun("watchdog", 2, timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode != 0 and "did not end the job" not in r.stdout
+    assert "MPI_BARRIER (test) has been in MPI" in r.stderr, r.stderr[-2000:]
+    assert "rank 0: MPI_BARRIER (test) has not returned after" in r.stderr
+    assert "ending the MPI job with MPI_Abort" in r.stderr and took < 30
+
+
+@needs_mpi
 def test_asking_for_mpi_without_mpirun_says_how_to_start_the_job():
     env = _env(HOROVOD_RANK="0", HOROVOD_SIZE="2", HOROVOD_CPU_OPERATIONS="mpi")
     r = subprocess.run(
