@@ -119,6 +119,10 @@ def plain() -> None:
     assert type(transport).__name__ == "ShmTransport" and transport.native is None
     s = hvd.allreduce(np.full(3, hvd.rank() + 1.0), op=hvd.Sum)
     assert (s == hvd.size() * (hvd.size() + 1) / 2).all()
+    from mpi4py import MPI  # imported after hvd.init: the same MPI, usable beside Horovod
+
+    assert MPI.COMM_WORLD.allreduce(1) == hvd.size() and hvd.mpi_threads_supported()
+    assert (hvd.allreduce(np.ones(2), op=hvd.Sum, name="after") == hvd.size()).all()
     hvd.shutdown()
     print(f"OK {hvd.rank() if hvd.is_initialized() else world_rank()}", flush=True)
 

@@ -95,7 +95,11 @@ def run(
     if use_gloo and use_mpi:
         raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
     if use_mpi or mpi_args:
-        raise ValueError("use_mpi/mpi_args: MPI is not available in this build; leave them unset")
+        raise ValueError(
+            "horovod.run(use_mpi=True/mpi_args=...) is not supported: the function and its "
+            "results travel through horovodrun's own launcher. Run a script with "
+            "`horovodrun --mpi` for MPI, or leave use_mpi/mpi_args unset"
+        )
     elastic = min_num_proc is not None or host_discovery_script is not None
     if num_proc is None:
         num_proc = min_num_proc if elastic and min_num_proc is not None else 1
