@@ -38,6 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "jax", "elastic"},
     # beside the stack: the launcher never imports the training runtime
     "runner": {"common", "rendezvous", "__version__"},
+    # cluster engines as launchers: Ray actors, like the runner, never the training runtime
+    "ray": {"common", "rendezvous", "runner"},
     # tools on top: nothing in the runtime imports them (no layer above lists them)
     "timeline": {"common"},
     "testing": {"common", "core", "frontend", "transport", "numpy"},

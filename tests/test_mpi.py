@@ -294,7 +294,9 @@ def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers():
         check=False,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    rows = [line for line in r.stdout.splitlines() if line.startswith("| all") or "| broadcast" in line]
+    rows = [
+        line for line in r.stdout.splitlines() if line.startswith("| all") or "| broadcast" in line
+    ]
     assert len(rows) == 3, r.stdout
     for row in rows:  # the ratio column is a number; the allreduce went through MPI
         float(row.strip("|").split("|")[-1])

@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         data = json.load(f)
     os.unlink(out)
     print(f"\n{a.np} ranks, {os.cpu_count()} CPUs; best of {a.repeats} alternations")
-    print("| op | size | horovod (MPI plane) | of which in MPI | mpi4py, same buffer | mpi4py/horovod |")
+    print(
+        "| op | size | horovod (MPI plane) | of which in MPI | mpi4py, same buffer | mpi4py/horovod |"
+    )
     print("|---|---|---|---|---|---|")
     for op in OPS:
         for nbytes in sizes:

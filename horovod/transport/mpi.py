@@ -295,7 +295,11 @@ class MpiCollectives:
         return True
 
     def alltoallv(
-        self, src: np.ndarray, send_nbytes: Sequence[int], dst: np.ndarray, recv_nbytes: Sequence[int]
+        self,
+        src: np.ndarray,
+        send_nbytes: Sequence[int],
+        dst: np.ndarray,
+        recv_nbytes: Sequence[int],
     ) -> bool:
         MPI = _mpi()
         s = [_bytes(src), (list(send_nbytes), _offsets(send_nbytes)), MPI.BYTE]

@@ -1,0 +1,218 @@
+"""horovod.ray against a real local Ray cluster (one per module, kept on loopback): jobs on
+actors, the rank layout, stateful executables, failures (a raising rank, a dying actor, an
+unsatisfiable placement group, calls before start) and a shutdown that leaves nothing behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="Ray is not installed (pip install 'pyhorovod[ray]')",
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file in the home directory
+    import ray
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    path = os.pathsep.join(
+        [here, root, os.path.join(root, "examples"), os.environ.get("PYTHONPATH", "")]
+    )
+    # the actors import this module for the functions it defines (a script's own functions
+    # travel by value; a test module's by name)
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _nothing_left(ray, actors: list) -> None:
+    """The actors are dead and every CPU is free again (placement group removed)."""
+    for a in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.node_info.remote(), timeout=30)
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 3, ray.available_resources()
+
+
+def allreduce_job(scale):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    s = hvd.allreduce(np.full(4, hvd.rank() + 1.0) * scale, op=hvd.Sum, name="ray.sum")
+    env = {k: os.environ[k] for k in ("HOROVOD_CONTROLLER", "HVD_TEST_EXTRA") if k in os.environ}
+    return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), s.tolist(), env
+
+
+def test_a_job_runs_on_actors_and_returns_results_by_rank(cluster):
+    from horovod.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), num_workers=2)
+    ex.start(extra_env_vars={"HVD_TEST_EXTRA": "yes"})
+    try:
+        out = ex.run(allreduce_job, args=[2.0])
+        assert [o[:5] for o in out] == [(0, 2, 0, 2, [6.0] * 4), (1, 2, 1, 2, [6.0] * 4)]
+        assert out[0][5] == {"HOROVOD_CONTROLLER": "gloo", "HVD_TEST_EXTRA": "yes"}
+        # again, with kwargs: the same ranks, Horovod still initialised in the actors
+        assert [o[4] for o in ex.run(allreduce_job, kwargs={"scale": 1.0})] == [[3.0] * 4] * 2
+        refs = ex.run_remote(allreduce_job, args=[0.5])
+        assert [r[4] for r in cluster.get(refs)] == [[1.5] * 4] * 2
+        actors = list(ex.workers)
+    finally:
+        ex.shutdown()
+    _nothing_left(cluster, actors)
+    ex.shutdown()  # twice: nothing to do
+
+
+class Counter:
+    """A stateful executable: built once per actor by start(executable_cls=...)."""
+
+    def __init__(self, start):
+        self.value = start
+
+    def bump(self):
+        import numpy as np
+
+        import horovod.numpy as hvd
+
+        hvd.init()
+        self.value += 1
+        return int(hvd.allreduce(np.array([self.value]), op=hvd.Sum, name="bump")[0])
+
+
+def test_executables_keep_state_and_hosts_layout_is_given_by_num_hosts(cluster):
+    from horovod.ray import RayExecutor
+
+    ex = RayExecutor(num_hosts=1, num_workers_per_host=2)
+    ex.start(executable_cls=Counter, executable_args=[10])
+    try:
+        assert ex.execute(lambda c: c.bump()) == [22, 22]
+        assert ex.execute(lambda c: c.bump()) == [24, 24]
+        assert ex.execute_single(lambda c: c.value) == 12
+        layout = ex.run(
+            lambda: (os.environ["HOROVOD_LOCAL_SIZE"], os.environ["HOROVOD_CROSS_SIZE"])
+        )
+        assert layout == [("2", "1"), ("2", "1")]
+    finally:
+        ex.shutdown()
+
+
+def failing_job(how):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        if how == "raise":
+            raise KeyError("bad batch 42")
+        os._exit(7)
+    hvd.allreduce(np.ones(3), name="waits.for.rank1")  # rank 0 waits for the failed rank
+    return "rank 0 finished"
+
+
+@pytest.mark.parametrize("how", ["raise", "die"])
+def test_a_failing_rank_fails_the_call_at_once_and_names_it(cluster, how):
+    from horovod.ray import RayExecutor
+
+    ex = RayExecutor(num_workers=2)
+    ex.start()
+    actors = list(ex.workers)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="rank 1 failed") as err:
+            ex.run(failing_job, args=[how])
+        assert time.monotonic() - t0 < 30
+        assert ("KeyError: 'bad batch 42'" if how == "raise" else "actor died") in str(err.value)
+        with pytest.raises(RuntimeError, match="an earlier call failed"):
+            ex.run(failing_job, args=[how])
+    finally:
+        ex.shutdown()
+    _nothing_left(cluster, actors)
+    # the executor starts again after shutdown()
+    ex.start()
+    try:
+        assert [o[4] for o in ex.run(allreduce_job, args=[1.0])] == [[3.0] * 4] * 2
+    finally:
+        ex.shutdown()
+
+
+def test_resources_the_cluster_cannot_give_are_refused_with_what_it_has(cluster):
+    from horovod.ray import RayExecutor
+
+    settings = RayExecutor.create_settings(placement_group_timeout_s=2)
+    for kwargs in ({"num_workers": 5}, {"num_workers": 1, "use_gpu": True}):
+        ex = RayExecutor(settings, **kwargs)
+        with pytest.raises(RuntimeError, match="could not reserve") as err:
+            ex.start()
+        assert "available" in str(err.value)
+        ex.shutdown()
+    _nothing_left(cluster, [])
+
+
+def test_bad_arguments_and_calls_before_start_are_explained(cluster):
+    from horovod.ray import RayExecutor
+
+    with pytest.raises(ValueError, match="exactly one of num_workers"):
+        RayExecutor(num_workers=2, num_hosts=1)
+    with pytest.raises(ValueError, match="exactly one of num_workers"):
+        RayExecutor()
+    with pytest.raises(ValueError, match="num_workers must be a positive int"):
+        RayExecutor(num_workers=0)
+    with pytest.raises(NotImplementedError, match="elastic Ray jobs"):
+        RayExecutor(num_workers=2, min_workers=1)
+    ex = RayExecutor(num_workers=1)
+    with pytest.raises(RuntimeError, match=r"run\(\) before start\(\)"):
+        ex.run(print)
+    ex.shutdown()  # nothing started: nothing to do
+
+
+def test_importing_horovod_ray_imports_no_training_framework():
+    code = (
+        "import sys, horovod.ray\n"
+        "bad = [m for m in ('torch', 'tensorflow', 'jax', 'mxnet', 'horovod.core') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_ray_example_trains_the_digits_model(cluster):
+    """examples/ray_torch_digits.py's training function on this module's cluster."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    try:
+        import ray_torch_digits
+    finally:
+        sys.path.pop(0)
+    from horovod.ray import RayExecutor
+
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=60), num_workers=2)
+    ex.start()
+    try:
+        out = ex.run(ray_torch_digits.train, args=[8, 32, 0.02])
+    finally:
+        ex.shutdown()
+    assert [r["rank"] for r in out] == [0, 1] and out[0]["accuracy"] >= 0.9
+    assert out[0]["checksum"] == out[1]["checksum"]  # the replicas stayed identical
