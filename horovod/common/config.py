@@ -328,6 +328,13 @@ class Config:
     start_timeout: float = _knob(
         "HOROVOD_START_TIMEOUT", 30.0, "Seconds horovodrun waits for workers to start.", minimum=0
     )
+    spark_start_timeout: float = _knob(
+        "HOROVOD_SPARK_START_TIMEOUT",
+        600.0,
+        "horovod.spark.run: seconds its tasks may take to find each other at hvd.init() "
+        "(start_timeout= overrides it).",
+        minimum=0,
+    )
     ssh_keepalive_seconds: float = _knob(
         "HOROVOD_SSH_KEEPALIVE_SECONDS",
         5.0,

@@ -117,9 +117,10 @@ class RayExecutor:
         self.settings = settings or MiniSettings()
         self.num_hosts = num_hosts
         self.num_workers_per_host = num_workers_per_host
-        self.num_workers = (
-            num_workers if num_workers is not None else num_hosts * num_workers_per_host
-        )  # type: ignore[operator]
+        if num_workers is None:
+            assert num_hosts is not None
+            num_workers = num_hosts * num_workers_per_host
+        self.num_workers = num_workers
         self.cpus_per_worker = cpus_per_worker
         self.use_gpu = use_gpu
         self.gpus_per_worker = (

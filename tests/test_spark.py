@@ -1,0 +1,157 @@
+"""horovod.spark.run against a real Spark ``local[2]`` session (one per module, UI off, on
+loopback): results by rank, the rank layout, Python workers reused across runs, a failing rank
+named as the root cause, more ranks than task slots refused at once, the example's training."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("pyspark") is None or shutil.which("java") is None,
+        reason="needs PySpark and a Java runtime (pip install 'pyhorovod[spark]'; "
+        "apt-get install openjdk-17-jre-headless)",
+    ),
+    # PySpark's result sockets (py4j, collect) are left for the garbage collector to close
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from pyspark.sql import SparkSession
+
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("horovod tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.executorEnv.PYTHONPATH", os.pathsep.join([HERE, ROOT]))
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()
+        _stop_the_jvm()
+
+
+def _stop_the_jvm() -> None:
+    """PySpark keeps its JVM until the interpreter exits: end it with this module, and let
+    the garbage collector close PySpark's sockets now, not during a later module's tests."""
+    import gc
+    import warnings
+
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is not None:
+        proc = getattr(gateway, "proc", None)
+        try:
+            gateway.shutdown()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if proc is not None:
+            proc.kill()
+            proc.wait(timeout=30)
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gc.collect()
+
+
+def layout_job(scale):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    s = hvd.allreduce(np.full(3, hvd.rank() + 1.0) * scale, op=hvd.Sum, name="spark.sum")
+    extra = os.environ.get("HVD_TEST_EXTRA")
+    return hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size(), s.tolist(), extra
+
+
+def test_run_returns_results_by_rank_and_runs_again_in_the_same_workers(spark):
+    import horovod.spark
+
+    out = horovod.spark.run(layout_job, args=(2.0,), num_proc=2, env={"HVD_TEST_EXTRA": "x"})
+    assert out == [(0, 2, 0, 2, [6.0] * 3, "x"), (1, 2, 1, 2, [6.0] * 3, "x")]
+    # Spark reuses its Python workers: Horovod was shut down and the environment restored
+    again = horovod.spark.run(layout_job, kwargs={"scale": 1.0})  # num_proc: the parallelism
+    assert again == [(0, 2, 0, 2, [3.0] * 3, None), (1, 2, 1, 2, [3.0] * 3, None)]
+    assert horovod.spark.run(lambda: 7, num_proc=1) == [7]
+
+
+def failing_job():
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise KeyError("bad batch 42")
+    hvd.allreduce(np.ones(3), name="waits.for.rank1")
+
+
+def test_a_failing_rank_is_named_as_the_root_cause(spark):
+    import horovod.spark
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 failed: KeyError: 'bad batch 42'"):
+        horovod.spark.run(failing_job, num_proc=2)
+    assert time.monotonic() - t0 < 60
+    # the session is still usable
+    assert [r[4] for r in horovod.spark.run(layout_job, args=(1.0,), num_proc=2)] == [[3.0] * 3] * 2
+
+
+def test_more_ranks_than_task_slots_are_refused_at_once(spark):
+    import horovod.spark
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="runs 2 tasks at once"):
+        horovod.spark.run(layout_job, args=(1.0,), num_proc=3)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ValueError, match="use_mpi"):
+        horovod.spark.run(layout_job, use_mpi=True)
+    with pytest.raises(ValueError, match="num_proc must be at least 1"):
+        horovod.spark.run(layout_job, num_proc=0)
+
+
+def test_without_a_session_run_says_how_to_make_one():
+    code = (
+        "import sys, horovod.spark\n"
+        "assert 'pyspark' not in sys.modules and 'torch' not in sys.modules\n"
+        "try:\n    horovod.spark.run(print)\n"
+        "except RuntimeError as e:\n    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "needs an active Spark session" in r.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
+def test_the_spark_example_trains_the_digits_model(spark):
+    import horovod.spark
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import ray_torch_digits
+    finally:
+        sys.path.pop(0)
+    spark.sparkContext.addPyFile(os.path.join(ROOT, "examples", "ray_torch_digits.py"))
+    out = horovod.spark.run(ray_torch_digits.train, args=(8, 32, 0.02), num_proc=2)
+    assert [r["rank"] for r in out] == [0, 1] and out[0]["accuracy"] >= 0.9
+    assert out[0]["checksum"] == out[1]["checksum"]
