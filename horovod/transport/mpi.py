@@ -31,6 +31,7 @@ Must not touch: the engine, negotiation, other planes (it sees a transport only 
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
@@ -335,11 +336,8 @@ class MpiCollectives:
 
 
 def _offsets(counts: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
+    """Displacements of consecutive blocks of ``counts`` (MPI's ``displs``)."""
+    return list(itertools.accumulate(counts, initial=0))[:-1]
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
