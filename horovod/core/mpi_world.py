@@ -29,7 +29,7 @@ import secrets
 import socket
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from horovod.common.config import setting
@@ -47,7 +47,6 @@ class MpiWorld:
     data_plane: bool  # MPI moves the data (else the built-in planes do)
     env: dict[str, str]  # the HOROVOD_* settings this world implies
     server: Any = None  # rank 0's rendezvous server (stopped with the context)
-    hostnames: list[str] = field(default_factory=list)
     group: Any = None  # the communicator's group (process sets' ranks are translated to it)
     scope: str | None = None  # this init's scope in the rendezvous store (from rank 0)
 
@@ -206,7 +205,7 @@ def connect(
         "HOROVOD_CROSS_SIZE": "1",
         "HOROVOD_HOSTNAME": names[rank],
     }
-    world = MpiWorld(own, rank, size, data_plane, out, hostnames=names, group=own.Get_group())
+    world = MpiWorld(own, rank, size, data_plane, out, group=own.Get_group())
     if size == 1:
         return world
     offer = None
