@@ -155,3 +155,95 @@ def test_the_spark_example_trains_the_digits_model(spark):
     out = horovod.spark.run(ray_torch_digits.train, args=(8, 32, 0.02), num_proc=2)
     assert [r["rank"] for r in out] == [0, 1] and out[0]["accuracy"] >= 0.9
     assert out[0]["checksum"] == out[1]["checksum"]
+
+
+# ---------------------------------------------------------------------------- estimators
+needs_estimator_stack = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "pyarrow", "pandas")),
+    reason="the Torch estimator needs torch, pyarrow and pandas",
+)
+
+
+@needs_estimator_stack
+def test_torch_estimator_fits_a_dataframe_and_its_model_predicts(spark, tmp_path):
+    import numpy as np
+    import torch
+    from pyspark.ml.feature import VectorAssembler
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.torch import TorchEstimator, TorchModel
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 2))
+    y = 3 * x[:, 0] - 2 * x[:, 1] + 1
+    rows = [(float(a), float(b), float(c)) for (a, b), c in zip(x, y, strict=True)]
+    df = spark.createDataFrame(rows, ["x1", "x2", "y"])
+    df = VectorAssembler(inputCols=["x1", "x2"], outputCol="features").transform(df)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    store = Store.create(str(tmp_path / "store"))
+    est = TorchEstimator(
+        num_proc=2,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["features"],
+        label_cols=["y"],
+        batch_size=16,
+        epochs=6,
+        validation=0.2,
+        store=store,
+        run_id="run1",
+        verbose=0,
+    )
+    fitted = est.fit(df)
+    assert isinstance(fitted, TorchModel) and fitted.getRunId() == "run1"
+    history = fitted.getHistory()
+    assert len(history["loss"]) == len(history["val_loss"]) == 6
+    assert history["loss"][-1] < 1e-3 < history["loss"][0]
+    w, b = fitted.getModel().weight.data[0].tolist(), float(fitted.getModel().bias.data[0])
+    assert abs(w[0] - 3) < 0.05 and abs(w[1] + 2) < 0.05 and abs(b - 1) < 0.05
+    assert store.exists(store.get_checkpoint_path("run1"))
+    assert store.exists(store.get_logs_path("run1") + "/history.json")
+    out = fitted.transform(df).select("y", "y__output").collect()
+    assert len(out) == 300
+    assert max(abs(r["y"] - r["y__output"]) for r in out) < 0.1
+
+
+@needs_estimator_stack
+def test_estimator_mistakes_are_named(spark, tmp_path):
+    import torch
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.task import get_available_devices
+    from horovod.spark.torch import TorchEstimator
+
+    df = spark.createDataFrame([(1.0, 2.0)], ["a", "b"])
+    store = Store.create(f"file://{tmp_path}/s")
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="needs loss"):
+        TorchEstimator(
+            model=model, optimizer=opt, feature_cols=["a"], label_cols=["b"], store=store
+        ).fit(df)
+    est = TorchEstimator(
+        num_proc=2,
+        model=model,
+        optimizer=opt,
+        loss=torch.nn.MSELoss(),
+        store=store,
+        feature_cols=["nope"],
+        label_cols=["b"],
+    )
+    with pytest.raises(ValueError, match=r"columns \['nope'\] are not in the DataFrame"):
+        est.fit(df)
+    with pytest.raises(NotImplementedError, match="only local directories"):
+        Store.create("s3://bucket/prefix")
+    assert get_available_devices() == []  # on the driver
+    assert horovod_spark_run(lambda: get_available_devices(), num_proc=2) == [[], []]
+
+
+def horovod_spark_run(fn, **kwargs):
+    import horovod.spark
+
+    return horovod.spark.run(fn, **kwargs)

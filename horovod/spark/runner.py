@@ -38,7 +38,7 @@ from horovod.runner.hosts import HostInfo, assign_slots
 FAILURE_SCOPE = "job"  # where tasks record why they failed (as horovodrun's workers do)
 
 
-def _spark_context() -> Any:
+def spark_context() -> Any:
     try:
         from pyspark import SparkContext
     except ImportError as e:
@@ -93,7 +93,7 @@ def run(
         )
     if not callable(fn):
         raise TypeError(f"horovod.spark.run: fn must be callable, got {type(fn).__name__}")
-    sc = _spark_context()
+    sc = spark_context()
     n = int(num_proc if num_proc is not None else sc.defaultParallelism)
     if n < 1:
         raise ValueError(f"horovod.spark.run: num_proc must be at least 1, got {n}")
