@@ -112,3 +112,34 @@ def test_init_shutdown_and_init_at_another_size_leave_nothing_behind(worlds):
             else:
                 line = f"[{launch}]<stdout>:world {step}: rank {rank} of {size} clean"
             assert line in out.stdout, (line, out.stdout)
+
+
+def test_a_job_scope_lets_workers_with_different_pasts_meet():
+    """Workers that outlive one job (Spark's reused Python workers) have each called
+    hvd.init() a different number of times; HOROVOD_RENDEZVOUS_SCOPE (set per job by
+    horovod.spark.run and horovod.ray) makes them meet anyway. Here rank 0 first runs a job of
+    its own, then both ranks start the shared one."""
+    script = """
+        import os
+        import numpy as np
+        import horovod.numpy as hvd
+
+        shared = dict(os.environ)
+        if shared["HOROVOD_RANK"] == "0":  # an earlier one-rank job in this process
+            os.environ.update(HOROVOD_SIZE="1", HOROVOD_LOCAL_SIZE="1", HOROVOD_CROSS_SIZE="1")
+            if "HOROVOD_RENDEZVOUS_SCOPE" in shared:  # that job had its own scope
+                os.environ["HOROVOD_RENDEZVOUS_SCOPE"] = "job-earlier"
+            hvd.init()
+            hvd.shutdown()
+            os.environ.clear()
+            os.environ.update(shared)
+        hvd.init()
+        print("sum", hvd.allreduce(np.ones(2), op=hvd.Sum).tolist(), flush=True)
+    """
+    env = {"HOROVOD_START_TIMEOUT": "10", "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"}
+    r = run_script(script, 2, env={**env, "HOROVOD_RENDEZVOUS_SCOPE": "job-a"}, timeout=90)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("sum [2.0, 2.0]") == 2
+    # without a job scope the processes count their own inits and miss each other
+    r = run_script(script, 2, env=env, timeout=90)
+    assert r.returncode != 0

@@ -247,3 +247,50 @@ def horovod_spark_run(fn, **kwargs):
     import horovod.spark
 
     return horovod.spark.run(fn, **kwargs)
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("tensorflow", "keras", "pyarrow", "pandas")),
+    reason="the Keras estimator needs tensorflow, keras, pyarrow and pandas",
+)
+def test_keras_estimator_fits_a_dataframe_and_its_model_predicts(spark, tmp_path):
+    import keras
+    import numpy as np
+    from pyspark.ml.feature import VectorAssembler
+
+    from horovod.spark.common.store import Store
+    from horovod.spark.keras import KerasEstimator, KerasModel
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(300, 2))
+    y = 3 * x[:, 0] - 2 * x[:, 1] + 1
+    rows = [(float(a), float(b), float(c)) for (a, b), c in zip(x, y, strict=True)]
+    df = VectorAssembler(inputCols=["x1", "x2"], outputCol="features").transform(
+        spark.createDataFrame(rows, ["x1", "x2", "y"])
+    )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    store = Store.create(str(tmp_path / "kstore"))
+    fitted = KerasEstimator(
+        num_proc=2,
+        model=model,
+        optimizer=keras.optimizers.SGD(0.1),
+        loss="mse",
+        feature_cols=["features"],
+        label_cols=["y"],
+        batch_size=16,
+        epochs=6,
+        validation=0.2,
+        store=store,
+        run_id="krun",
+        verbose=0,
+    ).fit(df)
+    assert isinstance(fitted, KerasModel) and fitted.getRunId() == "krun"
+    history = fitted.getHistory()
+    assert len(history["loss"]) == len(history["val_loss"]) == 6
+    assert history["loss"][-1] < 1e-3 < history["loss"][0]
+    kernel, bias = fitted.getModel().get_weights()
+    assert np.allclose(kernel.ravel(), [3, -2], atol=0.05) and abs(float(bias[0]) - 1) < 0.05
+    assert store.exists(store.get_logs_path("krun") + "/history.json")
+    out = fitted.transform(df).select("y", "y__output").collect()
+    assert len(out) == 300 and max(abs(r["y"] - r["y__output"]) for r in out) < 0.1

@@ -308,6 +308,13 @@ class Config:
     rendezvous_port: int = _knob(
         "HOROVOD_GLOO_RENDEZVOUS_PORT", -1, "Port of the rendezvous store (set by horovodrun)."
     )
+    rendezvous_scope: str = _knob(
+        "HOROVOD_RENDEZVOUS_SCOPE",
+        "",
+        "The job's name in the rendezvous store, for workers that live longer than one job "
+        "(Spark's reused Python workers; set by horovod.spark.run and horovod.ray). Unset: "
+        "each process counts its own hvd.init() calls.",
+    )
     iface: str = _knob(
         "HOROVOD_GLOO_IFACE",
         "",

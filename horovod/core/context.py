@@ -66,6 +66,7 @@ _thread_ctx: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
 )
 _process_ctx: Context | None = None
 _process_rounds = itertools.count()
+_scope_rounds: Counter[str] = Counter()  # hvd.init() calls per HOROVOD_RENDEZVOUS_SCOPE
 _lock = threading.Lock()
 _atexit_registered = False
 
@@ -344,6 +345,11 @@ class Context:
         self._handle_ids = itertools.count(1)
         self.op_counters: Counter[str] = Counter()
         round_id = next(spec.rounds if spec is not None else _process_rounds)
+        if not scope and cfg.rendezvous_scope:
+            # A job's own scope: the ranks' processes may have served other jobs before
+            # (so their own init counts differ); within the job they init alike.
+            _scope_rounds[cfg.rendezvous_scope] += 1
+            scope = f"{cfg.rendezvous_scope}.{_scope_rounds[cfg.rendezvous_scope]}"
         scope = scope or f"init{round_id}"
         for ps in static_sets:
             bad = [r for r in ps.ranks if r >= cfg.size]

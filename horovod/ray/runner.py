@@ -23,6 +23,7 @@ the actors do, when the user's function imports them; ray #32332).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -219,6 +220,7 @@ class RayExecutor:
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_START_TIMEOUT": str(self.settings.timeout_s),
+            "HOROVOD_RENDEZVOUS_SCOPE": f"ray-{secrets.token_hex(6)}",
         }
         if self.settings.nics:
             base["HOROVOD_GLOO_IFACE"] = ",".join(sorted(self.settings.nics))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -116,6 +117,8 @@ def run(
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
         "HOROVOD_START_TIMEOUT": str(int(timeout)),
+        # Spark reuses its Python workers: the job names its own scope in the store
+        "HOROVOD_RENDEZVOUS_SCOPE": f"spark-{secrets.token_hex(6)}",
         "PYTHONUNBUFFERED": "1",
     }
     if nics:

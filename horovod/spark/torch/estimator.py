@@ -23,7 +23,6 @@ Must not touch: the driver's imports beyond PySpark and torch (the tasks import
 from __future__ import annotations
 
 import copy
-import glob
 import io
 import json
 import math
@@ -38,22 +37,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
 from horovod.spark.common.backend import SparkBackend
+from horovod.spark.common.data import array_column, as_arrays, prepare, read_shard
 from horovod.spark.common.store import Store
-
-
-def _as_arrays(df: DataFrame, cols: Sequence[str]) -> DataFrame:
-    """``cols`` of ``df``, vector columns turned into arrays of doubles."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.ml.linalg import VectorUDT
-
-    missing = [c for c in cols if c not in df.columns]
-    if missing:
-        raise ValueError(f"columns {missing} are not in the DataFrame (it has {df.columns})")
-    out = []
-    for c in cols:
-        kind = df.schema[c].dataType
-        out.append(vector_to_array(df[c]).alias(c) if isinstance(kind, VectorUDT) else df[c])
-    return df.select(*out)
 
 
 class TorchEstimator(Estimator):
@@ -111,23 +96,18 @@ class TorchEstimator(Estimator):
         backend = self.backend or SparkBackend(num_proc=self.num_proc)
         n = backend.num_processes()
         run_id = self.run_id or f"run_{uuid.uuid4().hex[:12]}"
-        cols = self.feature_cols + self.label_cols
-        v = self.validation
-        if isinstance(v, str):
-            if v not in dataset.columns:
-                raise ValueError(f"validation column {v!r} is not in the DataFrame")
-            train, val = dataset.filter(~dataset[v]), dataset.filter(dataset[v])
-        elif v:
-            train, val = dataset.randomSplit([1 - v, v], seed=self.random_seed or 0)
-        else:
-            train, val = dataset, None
-        train_path, val_path = store.get_train_data_path(run_id), store.get_val_data_path(run_id)
-        _as_arrays(train, cols).repartition(n).write.mode("overwrite").parquet(train_path)
-        if val is not None:
-            _as_arrays(val, cols).repartition(n).write.mode("overwrite").parquet(val_path)
+        train_path, val_path = prepare(
+            dataset,
+            self.feature_cols + self.label_cols,
+            self.validation,
+            self.random_seed or 0,
+            store,
+            run_id,
+            n,
+        )
         spec = {
             "train": train_path,
-            "val": val_path if val is not None else None,
+            "val": val_path,
             "features": self.feature_cols,
             "labels": self.label_cols,
             "shapes": self.input_shapes,
@@ -161,31 +141,6 @@ class TorchEstimator(Estimator):
         )
 
 
-def _read_shard(path: str, cols: Sequence[str], rank: int, size: int) -> dict[str, Any]:
-    """This rank's rows of the Parquet files at ``path`` (files ``rank::size``): column ->
-    2-D float32 array (one row per sample)."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    files = sorted(glob.glob(os.path.join(path, "*.parquet")))
-    mine = files[rank::size]
-    tables = [pq.read_table(f, columns=list(cols)) for f in mine]
-    table = pa.concat_tables(tables) if tables else None
-    out = {}
-    for c in cols:
-        if table is None or table.num_rows == 0:
-            out[c] = np.zeros((0, 1), np.float32)
-            continue
-        column = table.column(c).combine_chunks()
-        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
-            width = len(column[0].as_py())
-            out[c] = np.asarray(column.flatten(), np.float32).reshape(-1, width)
-        else:
-            out[c] = np.asarray(column, np.float32).reshape(-1, 1)
-    return out
-
-
 def _train_on_rank(payload: bytes, spec: dict) -> dict:
     """One rank's training (runs in a Spark task)."""
     import numpy as np
@@ -198,8 +153,8 @@ def _train_on_rank(payload: bytes, spec: dict) -> dict:
     model, optimizer, loss_fn = cloudpickle.loads(payload)
     rank, size = hvd.rank(), hvd.size()
     cols = spec["features"] + spec["labels"]
-    data = _read_shard(spec["train"], cols, rank, size)
-    val = _read_shard(spec["val"], cols, rank, size) if spec["val"] else None
+    data = read_shard(spec["train"], cols, rank, size)
+    val = read_shard(spec["val"], cols, rank, size) if spec["val"] else None
 
     def tensors(block: dict, idx: Any) -> tuple[list, list]:
         feats = []
@@ -305,16 +260,13 @@ class TorchModel(Model):
         import numpy as np
         import torch
 
-        feats = _as_arrays(dataset, self.feature_cols)  # checks the columns exist
-        del feats
+        as_arrays(dataset, self.feature_cols)  # checks the columns exist
         vector_cols = [
             c for c in self.feature_cols if type(dataset.schema[c].dataType).__name__ == "VectorUDT"
         ]
         source = dataset
         for c in vector_cols:
-            from pyspark.ml.functions import vector_to_array
-
-            source = source.withColumn(f"__hvd_{c}", vector_to_array(source[c]))
+            source = source.withColumn(f"__hvd_{c}", array_column(dataset, c))
         inputs = [f"__hvd_{c}" if c in vector_cols else c for c in self.feature_cols]
         # One output per row is a double, more an array: find out on one row of zeros.
         sample = source.select(*inputs).limit(1).collect()
