@@ -23,17 +23,16 @@ import io
 import json
 import math
 import os
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
 from horovod.spark.common.backend import SparkBackend
-from horovod.spark.common.data import array_column, as_arrays, prepare, read_shard
+from horovod.spark.common.data import array_column, as_arrays, read_shard
+from horovod.spark.common.estimator import HorovodEstimator, HorovodModel
 from horovod.spark.common.store import Store
 
 
@@ -52,7 +51,7 @@ def _unpack(arch: str, weights: bytes) -> Any:
     return model
 
 
-class KerasEstimator(Estimator):
+class KerasEstimator(HorovodEstimator):
     """Fits a Keras ``model`` with ``optimizer`` and ``loss`` on ``feature_cols`` ->
     ``label_cols`` of a DataFrame, on ``num_proc`` Horovod ranks (Spark tasks)."""
 
@@ -76,42 +75,33 @@ class KerasEstimator(Estimator):
         verbose: int = 1,
         **_upstream: Any,
     ) -> None:
-        super().__init__()
-        self.num_proc, self.model, self.optimizer, self.loss = num_proc, model, optimizer, loss
+        super().__init__(
+            num_proc,
+            model,
+            optimizer,
+            loss,
+            feature_cols,
+            label_cols,
+            batch_size,
+            epochs,
+            validation,
+            store,
+            backend,
+            run_id,
+            shuffle,
+            random_seed,
+            verbose,
+        )
         self.metrics = list(metrics or [])
-        self.feature_cols = list(feature_cols or [])
-        self.label_cols = list(label_cols or [])
-        self.batch_size, self.epochs = int(batch_size), int(epochs)
-        self.validation, self.store, self.backend = validation, store, backend
-        self.run_id, self.shuffle, self.random_seed = run_id, shuffle, random_seed
-        self.verbose = verbose
 
     def _fit(self, dataset: DataFrame) -> KerasModel:
         import keras
 
-        missing = [n for n in ("model", "optimizer", "loss", "store") if getattr(self, n) is None]
-        missing += [n for n in ("feature_cols", "label_cols") if not getattr(self, n)]
-        if missing:
-            raise ValueError(f"KerasEstimator needs {', '.join(missing)}")
-        if self.batch_size < 1 or self.epochs < 1:
-            raise ValueError("KerasEstimator: batch_size and epochs must be at least 1")
-        store = self.store
-        assert store is not None
-        backend = self.backend or SparkBackend(num_proc=self.num_proc)
-        run_id = self.run_id or f"run_{uuid.uuid4().hex[:12]}"
-        train_path, val_path = prepare(
-            dataset,
-            self.feature_cols + self.label_cols,
-            self.validation,
-            self.random_seed or 0,
-            store,
-            run_id,
-            backend.num_processes(),
-        )
+        run = self._prepare(dataset)
         arch, weights = _pack(self.model)
         spec = {
-            "train": train_path,
-            "val": val_path,
+            "train": run.train,
+            "val": run.val,
             "features": self.feature_cols,
             "labels": self.label_cols,
             "arch": arch,
@@ -125,18 +115,18 @@ class KerasEstimator(Estimator):
             "epochs": self.epochs,
             "shuffle": self.shuffle,
             "seed": self.random_seed or 0,
-            "store": store,
-            "weights_path": os.path.join(store.get_run_path(run_id), "weights.npz"),
-            "logs": store.get_logs_path(run_id),
+            "store": run.store,
+            "weights_path": os.path.join(run.store.get_run_path(run.run_id), "weights.npz"),
+            "logs": run.store.get_logs_path(run.run_id),
         }
-        results = backend.run(_train_on_rank, args=(spec,))
-        trained = _unpack(arch, store.read(spec["weights_path"]))
+        results = run.backend.run(_train_on_rank, args=(spec,))
+        trained = _unpack(arch, run.store.read(spec["weights_path"]))
         return KerasModel(
             model=trained,
             feature_cols=self.feature_cols,
             label_cols=self.label_cols,
             history=results[0]["history"],
-            run_id=run_id,
+            run_id=run.run_id,
         )
 
 
@@ -203,34 +193,9 @@ def _train_on_rank(spec: dict) -> dict:
     return {"rank": rank, "history": history}
 
 
-class KerasModel(Model):
+class KerasModel(HorovodModel):
     """A model ``KerasEstimator.fit`` trained: ``transform(df)`` adds ``<label>__output``
     columns with its predictions."""
-
-    def __init__(
-        self,
-        model: Any = None,
-        feature_cols: Sequence[str] = (),
-        label_cols: Sequence[str] = (),
-        history: dict | None = None,
-        run_id: str | None = None,
-        output_cols: Sequence[str] | None = None,
-    ) -> None:
-        super().__init__()
-        self.model = model
-        self.feature_cols, self.label_cols = list(feature_cols), list(label_cols)
-        self.history = history or {}
-        self.run_id = run_id
-        self.output_cols = list(output_cols or [f"{c}__output" for c in self.label_cols])
-
-    def getModel(self) -> Any:  # noqa: N802 - upstream's name
-        return self.model
-
-    def getHistory(self) -> dict:  # noqa: N802
-        return self.history
-
-    def getRunId(self) -> str | None:  # noqa: N802
-        return self.run_id
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         as_arrays(dataset, self.feature_cols)  # checks the columns exist

@@ -27,21 +27,20 @@ import io
 import json
 import math
 import os
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import cloudpickle
-from pyspark.ml import Estimator, Model
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
 from horovod.spark.common.backend import SparkBackend
-from horovod.spark.common.data import array_column, as_arrays, prepare, read_shard
+from horovod.spark.common.data import array_column, as_arrays, read_shard
+from horovod.spark.common.estimator import HorovodEstimator, HorovodModel
 from horovod.spark.common.store import Store
 
 
-class TorchEstimator(Estimator):
+class TorchEstimator(HorovodEstimator):
     """Fits ``model`` with ``optimizer`` and ``loss`` on ``feature_cols`` -> ``label_cols`` of
     a DataFrame, on ``num_proc`` Horovod ranks (Spark tasks)."""
 
@@ -66,48 +65,31 @@ class TorchEstimator(Estimator):
         verbose: int = 1,
         **_upstream: Any,
     ) -> None:
-        super().__init__()
-        self.num_proc, self.model, self.optimizer, self.loss = num_proc, model, optimizer, loss
+        super().__init__(
+            num_proc,
+            model,
+            optimizer,
+            loss,
+            feature_cols,
+            label_cols,
+            batch_size,
+            epochs,
+            validation,
+            store,
+            backend,
+            run_id,
+            shuffle,
+            random_seed,
+            verbose,
+        )
         self.loss_weights = list(loss_weights) if loss_weights is not None else None
         self.input_shapes = [list(s) for s in input_shapes] if input_shapes else None
-        self.feature_cols = list(feature_cols or [])
-        self.label_cols = list(label_cols or [])
-        self.batch_size, self.epochs = int(batch_size), int(epochs)
-        self.validation, self.store, self.backend = validation, store, backend
-        self.run_id, self.shuffle, self.random_seed = run_id, shuffle, random_seed
-        self.verbose = verbose
-
-    def _check(self) -> None:
-        missing = [
-            name for name in ("model", "optimizer", "loss", "store") if getattr(self, name) is None
-        ] + [name for name in ("feature_cols", "label_cols") if not getattr(self, name)]
-        if missing:
-            raise ValueError(f"TorchEstimator needs {', '.join(missing)}")
-        if self.batch_size < 1 or self.epochs < 1:
-            raise ValueError("TorchEstimator: batch_size and epochs must be at least 1")
-        v = self.validation
-        if isinstance(v, float) and not 0 < v < 1:
-            raise ValueError(f"TorchEstimator: validation must be in (0, 1), got {v}")
 
     def _fit(self, dataset: DataFrame) -> TorchModel:
-        self._check()
-        store = self.store
-        assert store is not None
-        backend = self.backend or SparkBackend(num_proc=self.num_proc)
-        n = backend.num_processes()
-        run_id = self.run_id or f"run_{uuid.uuid4().hex[:12]}"
-        train_path, val_path = prepare(
-            dataset,
-            self.feature_cols + self.label_cols,
-            self.validation,
-            self.random_seed or 0,
-            store,
-            run_id,
-            n,
-        )
+        run = self._prepare(dataset)
         spec = {
-            "train": train_path,
-            "val": val_path,
+            "train": run.train,
+            "val": run.val,
             "features": self.feature_cols,
             "labels": self.label_cols,
             "shapes": self.input_shapes,
@@ -116,28 +98,26 @@ class TorchEstimator(Estimator):
             "shuffle": self.shuffle,
             "seed": self.random_seed or 0,
             "loss_weights": self.loss_weights,
-            "checkpoint": store.get_checkpoint_path(run_id),
-            "logs": store.get_logs_path(run_id),
+            "checkpoint": run.store.get_checkpoint_path(run.run_id),
+            "logs": run.store.get_logs_path(run.run_id),
             "verbose": self.verbose,
-            "store": store,
+            "store": run.store,
         }
         payload = cloudpickle.dumps((self.model, self.optimizer, self.loss))
-        results = backend.run(_train_on_rank, args=(payload, spec))
-        history = results[0]["history"]
+        results = run.backend.run(_train_on_rank, args=(payload, spec))
         import torch
 
         trained = copy.deepcopy(self.model)
-        state = torch.load(
-            io.BytesIO(store.read(store.get_checkpoint_path(run_id))), map_location="cpu"
-        )
+        checkpoint = run.store.read(run.store.get_checkpoint_path(run.run_id))
+        state = torch.load(io.BytesIO(checkpoint), map_location="cpu")
         trained.load_state_dict(state["model"])
         return TorchModel(
             model=trained,
             feature_cols=self.feature_cols,
             label_cols=self.label_cols,
             input_shapes=self.input_shapes,
-            history=history,
-            run_id=run_id,
+            history=results[0]["history"],
+            run_id=run.run_id,
         )
 
 
@@ -225,7 +205,7 @@ def _train_on_rank(payload: bytes, spec: dict) -> dict:
     return {"rank": rank, "history": history}
 
 
-class TorchModel(Model):
+class TorchModel(HorovodModel):
     """A model ``TorchEstimator.fit`` trained: ``transform(df)`` adds ``<label>__output``
     columns with its predictions."""
 
@@ -239,22 +219,8 @@ class TorchModel(Model):
         run_id: str | None = None,
         output_cols: Sequence[str] | None = None,
     ) -> None:
-        super().__init__()
-        self.model = model
-        self.feature_cols, self.label_cols = list(feature_cols), list(label_cols)
+        super().__init__(model, feature_cols, label_cols, history, run_id, output_cols)
         self.input_shapes = input_shapes
-        self.history = history or {}
-        self.run_id = run_id
-        self.output_cols = list(output_cols or [f"{c}__output" for c in self.label_cols])
-
-    def getModel(self) -> Any:  # noqa: N802 - upstream's name
-        return self.model
-
-    def getHistory(self) -> dict:  # noqa: N802
-        return self.history
-
-    def getRunId(self) -> str | None:  # noqa: N802
-        return self.run_id
 
     def _transform(self, dataset: DataFrame) -> DataFrame:
         import numpy as np
