@@ -52,6 +52,7 @@ class HorovodEstimator(Estimator):
         shuffle: bool = True,
         random_seed: int | None = None,
         verbose: int = 1,
+        **_upstream: Any,
     ) -> None:
         super().__init__()
         self.num_proc, self.model, self.optimizer, self.loss = num_proc, model, optimizer, loss

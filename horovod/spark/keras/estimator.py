@@ -30,10 +30,8 @@ import numpy as np
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
-from horovod.spark.common.backend import SparkBackend
 from horovod.spark.common.data import array_column, as_arrays, read_shard
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel
-from horovod.spark.common.store import Store
 
 
 def _pack(model: Any) -> tuple[str, bytes]:
@@ -62,36 +60,12 @@ class KerasEstimator(HorovodEstimator):
         optimizer: Any = None,
         loss: Any = None,
         metrics: Sequence[Any] | None = None,
-        feature_cols: Sequence[str] | None = None,
-        label_cols: Sequence[str] | None = None,
-        batch_size: int = 32,
-        epochs: int = 1,
-        validation: float | str | None = None,
-        store: Store | None = None,
-        backend: SparkBackend | None = None,
-        run_id: str | None = None,
-        shuffle: bool = True,
-        random_seed: int | None = None,
-        verbose: int = 1,
-        **_upstream: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            num_proc,
-            model,
-            optimizer,
-            loss,
-            feature_cols,
-            label_cols,
-            batch_size,
-            epochs,
-            validation,
-            store,
-            backend,
-            run_id,
-            shuffle,
-            random_seed,
-            verbose,
-        )
+        """The framework's own arguments here; the common ones (``feature_cols``,
+        ``label_cols``, ``batch_size``, ``epochs``, ``validation``, ``store``, ``backend``,
+        ``run_id``, ``shuffle``, ``random_seed``, ``verbose``) as ``HorovodEstimator``'s."""
+        super().__init__(num_proc=num_proc, model=model, optimizer=optimizer, loss=loss, **kwargs)
         self.metrics = list(metrics or [])
 
     def _fit(self, dataset: DataFrame) -> KerasModel:
