@@ -216,3 +216,26 @@ def test_the_ray_example_trains_the_digits_model(cluster):
         ex.shutdown()
     assert [r["rank"] for r in out] == [0, 1] and out[0]["accuracy"] >= 0.9
     assert out[0]["checksum"] == out[1]["checksum"]  # the replicas stayed identical
+
+
+def test_the_root_cause_is_the_rank_whose_own_error_it_was(cluster):
+    """A rank waiting for a dead peer fails too (Horovod's error, a consequence), and may be
+    reported by Ray first: the executor names the other rank."""
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.ray.runner import root_cause
+
+    @cluster.remote
+    def consequence():
+        raise HorovodInternalError("rank 1 exited or lost its connection")
+
+    @cluster.remote
+    def own():
+        raise KeyError("bad batch 42")
+
+    refs = [consequence.remote(), own.remote()]
+    cluster.wait(refs, num_returns=2)
+    rank, why, _ = root_cause(refs)
+    assert rank == 1 and why == "KeyError: 'bad batch 42'"
+    refs = [consequence.remote()]
+    cluster.wait(refs)
+    assert root_cause(refs)[0] == 0  # only consequences: the first of them

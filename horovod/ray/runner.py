@@ -37,11 +37,14 @@ except ImportError as e:  # pragma: no cover - exercised where Ray is absent
         "horovod.ray needs Ray: pip install 'pyhorovod[ray]' (or pip install 'ray>=2.9')"
     ) from e
 
+from horovod.common.exceptions import HorovodInternalError
 from horovod.common.secret import make_secret
 from horovod.common.shm_names import cleanup_job
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.hosts import HostInfo, assign_slots
+
+ROOT_CAUSE_WAIT_S = 5.0  # after a failure, how long the other ranks may take to report theirs
 
 
 @dataclass
@@ -253,21 +256,24 @@ class RayExecutor:
             raise RuntimeError(f"RayExecutor.{what}() before start(): call start() first")
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """Results by rank; at the first failure, stop every rank and raise its cause."""
+        """Results by rank; at the first failure, stop every rank and raise the root cause."""
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
-            except Exception as e:  # noqa: BLE001 - any failure of a rank fails the job
-                rank = refs.index(done[0])
-                why = _describe(e)
+            except Exception:  # noqa: BLE001 - any failure of a rank fails the job
+                # The first failure may be a consequence (a rank whose peer died before Ray
+                # reported the death): give the others a moment, then name the root.
+                if pending:
+                    ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WAIT_S)
+                rank, why, error = root_cause(refs)
                 self._failed = f"rank {rank}: {why}"
                 self._stop_workers(graceful=False)
                 raise RuntimeError(
                     f"Horovod on Ray: rank {rank} failed: {why}. The other ranks were stopped "
                     "(they may have been waiting for it in a collective)"
-                ) from e
+                ) from error
         return ray.get(refs)
 
     def run(
@@ -334,6 +340,25 @@ class RayExecutor:
             cleanup_job(bytes.fromhex(self._secret))  # segments a killed rank left here
             self._secret = None
         self._failed = None
+
+
+def root_cause(refs: list[Any]) -> tuple[int, str, BaseException]:
+    """(rank, description, error) of the failure to report: the first rank whose own error
+    it was (the user's exception, a dead actor) rather than Horovod's consequence of another
+    rank's failure."""
+    failures = []
+    for rank, ref in enumerate(refs):
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            continue
+        try:
+            ray.get(ref)
+        except Exception as e:  # noqa: BLE001
+            cause = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else e
+            consequence = isinstance(cause, HorovodInternalError)
+            failures.append((consequence, rank, e))
+    consequence, rank, error = min(failures, key=lambda f: (f[0], f[1]))
+    return rank, _describe(error), error
 
 
 def _describe(e: BaseException) -> str:
