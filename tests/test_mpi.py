@@ -30,6 +30,18 @@ needs_mpi = pytest.mark.skipif(
 AS_ROOT = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_segments_left_behind():
+    """Jobs these tests abort (a dying rank, the watchdog's MPI_Abort) leave Open MPI's
+    shared-memory segments in /dev/shm: remove the ones this module's jobs made."""
+    shm = Path("/dev/shm")
+    before = set(shm.glob("sm_segment.*")) if shm.is_dir() else set()
+    yield
+    if shm.is_dir():
+        for path in set(shm.glob("sm_segment.*")) - before:
+            path.unlink(missing_ok=True)
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMIX"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
