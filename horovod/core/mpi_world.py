@@ -3,8 +3,9 @@
 A job is an MPI job when ``hvd.init(comm=...)`` names a communicator (an mpi4py ``Comm``, or a
 list of ranks of ``MPI_COMM_WORLD``), when ``HOROVOD_CPU_OPERATIONS=mpi`` or
 ``HOROVOD_CONTROLLER=mpi`` asks for MPI (``horovodrun --mpi`` sets the first), or when
-``mpirun`` started the workers without a rendezvous address and mpi4py is installed (upstream's
-examples under ``mpirun -np 2 python train.py``, unchanged). Then:
+``mpirun`` started the workers without a rendezvous address, its runtime is there to join
+(``runtime_present``) and mpi4py is installed (upstream's examples under ``mpirun -np 2 python
+train.py``, unchanged). Then:
 
 - Horovod's ranks are the communicator's; the communicator is duplicated, so Horovod's messages
   never match the user's own mpi4py traffic on it;
@@ -108,7 +109,24 @@ def wanted(env: Mapping[str, str], comm: Any, launcher: str | None) -> bool:
         return True
     if setting("cpu_operations", env) == "mpi" or setting("controller", env) == "mpi":
         return True
-    return launcher in MPI_LAUNCHERS and not setting("rendezvous_addr", env) and installed()
+    return (
+        launcher in MPI_LAUNCHERS
+        and not setting("rendezvous_addr", env)
+        and runtime_present(env)
+        and installed()
+    )
+
+
+# Set by a live MPI runtime for the processes it starts: PMIx (Open MPI 4/5, Slurm's pmix),
+# Open MPI 3's ORTE, Hydra's PMI (MPICH, Intel MPI).
+RUNTIME_VARIABLES = ("PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "PMI_FD", "PMI_PORT")
+
+
+def runtime_present(env: Mapping[str, str]) -> bool:
+    """Is an MPI runtime there to join? Without one, mpi4py would start a world of one
+    process (and leave its shared memory behind), so the launcher's variables are read as
+    before instead."""
+    return any(env.get(v) for v in RUNTIME_VARIABLES)
 
 
 def mpi(env: Mapping[str, str] | None = None) -> Any:
