@@ -5,9 +5,11 @@ unsatisfiable placement group, calls before start) and a shutdown that leaves no
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,10 +21,12 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def nodes():
+    """The module's Ray cluster: a head node of 3 CPUs (nodes may be added and removed)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token file in the home directory
     import ray
+    from ray.cluster_utils import Cluster
 
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(here)
@@ -31,16 +35,28 @@ def cluster():
     )
     # the actors import this module for the functions it defines (a script's own functions
     # travel by value; a test module's by name)
-    ray.init(
-        num_cpus=3,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    c = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": 3, "include_dashboard": False},
     )
     try:
-        yield ray
+        ray.init(
+            address=c.address,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )
+        yield c
     finally:
         ray.shutdown()
+        c.shutdown()
+
+
+@pytest.fixture
+def cluster(nodes):
+    import ray
+
+    return ray
 
 
 def _nothing_left(ray, actors: list) -> None:
@@ -180,7 +196,7 @@ def test_bad_arguments_and_calls_before_start_are_explained(cluster):
         RayExecutor()
     with pytest.raises(ValueError, match="num_workers must be a positive int"):
         RayExecutor(num_workers=0)
-    with pytest.raises(NotImplementedError, match="elastic Ray jobs"):
+    with pytest.raises(ValueError, match="not both"):
         RayExecutor(num_workers=2, min_workers=1)
     ex = RayExecutor(num_workers=1)
     with pytest.raises(RuntimeError, match=r"run\(\) before start\(\)"):
@@ -239,3 +255,113 @@ def test_the_root_cause_is_the_rank_whose_own_error_it_was(cluster):
     refs = [consequence.remote()]
     cluster.wait(refs)
     assert root_cause(refs)[0] == 0  # only consequences: the first of them
+
+
+# ---------------------------------------------------------------------------- elastic jobs
+def _faults_env(tmp_path, faults):
+    return {"HVD_TEST_FAULTS": json.dumps(faults), "HVD_TEST_FAULT_DIR": str(tmp_path)}
+
+
+def _log(path):
+    if not path.exists():
+        return []
+    return [tuple(int(x) for x in line.split()[1:]) for line in path.read_text().splitlines()]
+
+
+def test_elastic_job_survives_a_dying_actor_and_a_leaving_node_and_grows_back(nodes, tmp_path):
+    """Round 0 takes every slot: 3 on the head node, 1 on a second node. Rank 1's actor dies
+    (``os._exit``): its host is blacklisted for 1 s, the others go on, then the host's free
+    slot is used again. The second node then leaves the cluster: its worker is lost and the
+    job finishes on the head node. The weights are those of training without faults."""
+    import numpy as np
+    import ray
+
+    from horovod.ray import RayExecutor
+    from horovod.testing.elastic_train import reference_weights, train_job
+
+    second = nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    log = tmp_path / "log"
+    removed = threading.Event()
+
+    def remove_when_grown_back():
+        # once a round after the actor's death has 4 workers again, the node leaves
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if any(size == 4 and rnd >= 2 for _, _, size, rnd in _log(log)):
+                nodes.remove_node(second)  # graceful: as when a node is drained
+                removed.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=remove_when_grown_back, daemon=True)
+    watcher.start()
+    settings = RayExecutor.create_settings(timeout_s=30)
+    ex = RayExecutor(
+        settings, min_workers=2, max_workers=4, cooldown_range=(1, 1), elastic_timeout=60
+    )
+    faults = [{"id": "die", "epoch": 0, "batch": 2, "rank": 1, "how": "exit"}]
+    ex.start(extra_env_vars=_faults_env(tmp_path, faults))
+    try:
+        out = ex.run(
+            train_job,
+            kwargs={"epochs": 4, "batches": 8, "step_seconds": 0.2, "log": str(log)},
+        )
+    finally:
+        ex.shutdown()
+        watcher.join(5)
+        if not removed.is_set():
+            nodes.remove_node(second)
+    assert removed.is_set(), _log(log)
+    sizes = [size for _, _, size, _ in _log(log)]
+    assert sizes[0] == 4 and 3 in sizes and sizes[-1] == 3, sizes
+    assert [o["rank"] for o in out] == [0, 1, 2] and {o["size"] for o in out} == {3}
+    want = reference_weights(4, 8)
+    for o in out:
+        np.testing.assert_array_equal(o["w"], out[0]["w"])  # the replicas agree bitwise
+        np.testing.assert_allclose(o["w"], want, rtol=1e-9, atol=1e-12)
+    failures = ex._elastic.driver.failures
+    assert [f.rank for f in failures][:1] == [1] and "lost its actor" in failures[0].what
+    assert any(f.slot.startswith(second.node_id) for f in failures), failures
+    _nothing_left(ray, [])
+
+
+def always_fails():
+    import horovod.numpy as hvd
+
+    hvd.init()
+    raise ValueError(f"rank {hvd.rank()} cannot read its shard")
+
+
+def test_elastic_failures_and_bad_calls_are_explained(cluster, tmp_path):
+    from horovod.ray import ElasticRayExecutor, RayExecutor
+
+    # every worker fails: no one is left to carry the training state, and the job says so
+    ex = RayExecutor(min_workers=1, max_workers=2)
+    ex.start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no worker of round 0 is left") as err:
+        ex.run(always_fails)
+    assert time.monotonic() - t0 < 60
+    assert "ValueError: rank" in str(err.value) and "cannot read its shard" in str(err.value)
+    assert "\x1b" not in str(err.value)  # Ray's colours are taken out of the tail
+    ex.shutdown()
+    # more workers than the cluster has slots, within elastic_timeout: a clear timeout
+    settings = ElasticRayExecutor.create_settings(min_num_proc=8, elastic_timeout=2)
+    ex2 = ElasticRayExecutor(settings)
+    with pytest.raises(RuntimeError, match=r"before start\(\)"):
+        ex2.run(always_fails)
+    ex2.start()
+    with pytest.raises(RuntimeError, match="3 usable, 8 needed .min_workers.") as err:
+        ex2.run(always_fails)
+    assert "Add nodes to the Ray cluster" in str(err.value)
+    # only run() in elastic mode; sizes are checked up front
+    ex3 = RayExecutor(min_workers=1)
+    ex3.start()
+    with pytest.raises(NotImplementedError, match="support run.. only"):
+        ex3.execute(lambda w: w)
+    with pytest.raises(NotImplementedError, match="executable_cls"):
+        ex3.start(executable_cls=Counter)
+    with pytest.raises(ValueError, match="max_num_proc must be an int >= min_num_proc"):
+        ElasticRayExecutor.create_settings(min_num_proc=3, max_num_proc=2)
+    _nothing_left(cluster, [])

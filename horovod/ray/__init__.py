@@ -7,7 +7,14 @@ user's function inside the actors (ray #32332).
 Must not touch: the training runtime (see ``horovod.ray.runner``).
 """
 
+from horovod.ray.elastic import ElasticRayExecutor, RayHostDiscovery
 from horovod.ray.runner import MiniSettings, RayExecutor
 from horovod.ray.worker import BaseHorovodWorker
 
-__all__ = ["BaseHorovodWorker", "MiniSettings", "RayExecutor"]
+__all__ = [
+    "BaseHorovodWorker",
+    "ElasticRayExecutor",
+    "MiniSettings",
+    "RayExecutor",
+    "RayHostDiscovery",
+]

@@ -40,6 +40,7 @@ except ImportError as e:  # pragma: no cover - exercised where Ray is absent
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.secret import make_secret
 from horovod.common.shm_names import cleanup_job
+from horovod.ray.elastic import ElasticRayExecutor
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.hosts import HostInfo, assign_slots
@@ -99,11 +100,37 @@ class RayExecutor:
         elastic_timeout: int = 600,
         override_discovery: bool = True,
     ) -> None:
+        self.settings = settings or MiniSettings()
+        self._elastic: ElasticRayExecutor | None = None
+        self.workers: list[Any] = []  # actor handles in rank order
+        self._pg: Any = None
+        self._server: RendezvousServer | None = None
+        self._secret: str | None = None
+        self._failed: str | None = None
         if min_workers is not None or max_workers is not None:
-            raise NotImplementedError(
-                "elastic Ray jobs (min_workers/max_workers) are not available yet; give "
-                "num_workers (or num_hosts) for a job of fixed size"
+            if num_workers is not None or num_hosts is not None:
+                raise ValueError(
+                    "RayExecutor: give num_workers/num_hosts (a job of fixed size) or "
+                    "min_workers/max_workers (an elastic job), not both"
+                )
+            elastic = ElasticRayExecutor.create_settings(
+                min_num_proc=min_workers if min_workers is not None else 1,
+                max_num_proc=max_workers,
+                reset_limit=reset_limit,
+                elastic_timeout=elastic_timeout,
+                timeout_s=self.settings.timeout_s,
+                nics=self.settings.nics,
+                cooldown_range=cooldown_range,
+                verbose=self.settings.verbose,
             )
+            self._elastic = ElasticRayExecutor(
+                elastic,
+                use_gpu=use_gpu,
+                cpus_per_slot=cpus_per_worker,
+                gpus_per_slot=gpus_per_worker,
+                override_discovery=override_discovery,
+            )
+            return
         if (num_workers is None) == (num_hosts is None):
             raise ValueError(
                 "RayExecutor needs exactly one of num_workers (workers placed where they fit) "
@@ -118,7 +145,6 @@ class RayExecutor:
                 raise ValueError(f"RayExecutor: {name} must be a positive int, got {value!r}")
         if cpus_per_worker < 0 or (gpus_per_worker is not None and gpus_per_worker < 0):
             raise ValueError("RayExecutor: cpus_per_worker and gpus_per_worker must be >= 0")
-        self.settings = settings or MiniSettings()
         self.num_hosts = num_hosts
         self.num_workers_per_host = num_workers_per_host
         if num_workers is None:
@@ -131,11 +157,6 @@ class RayExecutor:
             (gpus_per_worker if gpus_per_worker is not None else 1) if use_gpu else 0
         )
         self.use_current_placement_group = use_current_placement_group
-        self.workers: list[Any] = []  # actor handles in rank order
-        self._pg: Any = None
-        self._server: RendezvousServer | None = None
-        self._secret: str | None = None
-        self._failed: str | None = None
 
     # ------------------------------------------------------------------ start
     def _bundles(self) -> tuple[list[dict[str, float]], str, list[int]]:
@@ -161,7 +182,17 @@ class RayExecutor:
         executable_kwargs: dict | None = None,
         extra_env_vars: dict[str, str] | None = None,
     ) -> None:
-        """Reserve the resources, start the actors and give them their ranks."""
+        """Reserve the resources, start the actors and give them their ranks. (Elastic: only
+        connect to Ray; each ``run`` starts its own actors.)"""
+        if self._elastic is not None:
+            if executable_cls is not None:
+                raise NotImplementedError(
+                    "RayExecutor: elastic jobs (min_workers) run functions with run(); an "
+                    "executable_cls cannot survive the loss of its actor"
+                )
+            self._elastic.env_vars.update(extra_env_vars or {})
+            self._elastic.start()
+            return
         if self.workers:
             raise RuntimeError("RayExecutor.start() was already called; shutdown() first")
         if not ray.is_initialized():
@@ -247,6 +278,11 @@ class RayExecutor:
 
     # ------------------------------------------------------------------ calls
     def _ready(self, what: str) -> None:
+        if self._elastic is not None:
+            raise NotImplementedError(
+                f"RayExecutor.{what}(): elastic jobs (min_workers) support run() only, whose "
+                "function uses hvd.elastic.run to survive lost workers"
+            )
         if self._failed is not None:
             raise RuntimeError(
                 f"RayExecutor.{what}(): an earlier call failed ({self._failed}); call "
@@ -283,7 +319,10 @@ class RayExecutor:
         kwargs: dict | None = None,
         callbacks: list[Callable] | None = None,
     ) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; the results by rank."""
+        """``fn(*args, **kwargs)`` on every rank; the results by rank (elastic: those of the
+        job's last round)."""
+        if self._elastic is not None:
+            return self._elastic.run(fn, args, kwargs, callbacks)
         self._ready("run")
         out = self._gather([w.run.remote(fn, args, kwargs) for w in self.workers])
         for cb in callbacks or []:

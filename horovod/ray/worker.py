@@ -52,6 +52,17 @@ class BaseHorovodWorker:
     def run(self, fn: Callable[..., Any], args: Any = None, kwargs: Any = None) -> Any:
         return fn(*(args or ()), **(kwargs or {}))
 
+    def run_elastic(
+        self, fn: Callable[..., Any], args: Any, kwargs: Any, env: Mapping[str, str]
+    ) -> Any:
+        """One elastic worker: ``fn`` in this fresh actor with the worker's environment; Horovod
+        is shut down when it returns or raises (the actor is not reused)."""
+        self.update_env_vars(env)
+        try:
+            return fn(*(args or ()), **(kwargs or {}))
+        finally:
+            self.stop_horovod()
+
     def stop_horovod(self) -> None:
         """Shut this rank's Horovod down if the user's functions started it (so shared-memory
         segments and sockets are released before the actor is killed)."""

@@ -72,7 +72,10 @@ def reference_weights(epochs: int, batches: int, batch_size: int = 24) -> np.nda
     w = np.zeros(FEATURES)
     for _ in range(epochs):
         for b in range(batches):
-            xb, yb = x[b * batch_size : (b + 1) * batch_size], y[b * batch_size : (b + 1) * batch_size]
+            xb, yb = (
+                x[b * batch_size : (b + 1) * batch_size],
+                y[b * batch_size : (b + 1) * batch_size],
+            )
             w = w - LEARNING_RATE * (xb.T @ (xb @ w - yb)) / len(yb)
     return w
 
@@ -87,47 +90,68 @@ def main() -> None:
     p.add_argument("--log", default="")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    train_job(**vars(args))
+    hvd.shutdown()
 
+
+def train_job(
+    epochs: int = 3,
+    batches: int = 8,
+    batch_size: int = 24,
+    commit_every: int = 1,
+    step_seconds: float = 0.0,
+    log: str = "",
+    out: str = "",
+) -> dict:
+    """The job's body (``main`` parses its arguments; ``horovod.ray`` and ``horovod.spark``
+    tests call it as the function of an elastic job): returns this rank's final state."""
     hvd.init()
-    x, y = data(args.batches, args.batch_size)
+    x, y = data(batches, batch_size)
     state = hvd.elastic.ObjectState(w=np.zeros(FEATURES), epoch=0, batch=0)
-    resets = []
+    resets: list[int] = []
     state.register_reset_callbacks([lambda: resets.append(hvd.size())])
 
     @hvd.elastic.run
     def train(state: hvd.elastic.ObjectState) -> None:
-        while state.epoch < args.epochs:
-            while state.batch < args.batches:
+        while state.epoch < epochs:
+            while state.batch < batches:
                 fault_here(state.epoch, state.batch)
-                lo = state.batch * args.batch_size
-                xb, yb = x[lo : lo + args.batch_size], y[lo : lo + args.batch_size]
+                lo = state.batch * batch_size
+                xb, yb = x[lo : lo + batch_size], y[lo : lo + batch_size]
                 mine = slice(hvd.rank(), None, hvd.size())
                 err = xb[mine] @ state.w - yb[mine]
                 grad = hvd.allreduce(xb[mine].T @ err, op=hvd.Sum, name="grad")
                 count = hvd.allreduce(np.array([len(err)], np.float64), op=hvd.Sum, name="n")
                 state.w = state.w - LEARNING_RATE * grad / count[0]
-                if args.step_seconds:
-                    time.sleep(args.step_seconds)
-                if hvd.rank() == 0 and args.log:
+                if step_seconds:
+                    time.sleep(step_seconds)
+                if hvd.rank() == 0 and log:
                     g = _round()
-                    with open(args.log, "a") as f:
+                    with open(log, "a") as f:
                         f.write(f"{time.time()!r} {state.epoch} {state.batch} {hvd.size()} {g}\n")
                 state.batch += 1
-                if state.batch % args.commit_every == 0:
+                if state.batch % commit_every == 0:
                     state.commit()
             state.epoch += 1
             state.batch = 0
             state.commit()
 
     train(state)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        r = hvd.rank()
-        np.save(os.path.join(args.out, f"rank.{r}.npy"), state.w)
-        with open(os.path.join(args.out, f"rank.{r}.json"), "w") as f:
+    r = hvd.rank()
+    if out:
+        os.makedirs(out, exist_ok=True)
+        np.save(os.path.join(out, f"rank.{r}.npy"), state.w)
+        with open(os.path.join(out, f"rank.{r}.json"), "w") as f:
             json.dump({"epoch": state.epoch, "batch": state.batch, "size": hvd.size()}, f)
-    print(f"done: rank {hvd.rank()} of {hvd.size()}, resets {resets}", flush=True)
-    hvd.shutdown()
+    print(f"done: rank {r} of {hvd.size()}, resets {resets}", flush=True)
+    return {
+        "rank": r,
+        "size": hvd.size(),
+        "w": state.w,
+        "epoch": state.epoch,
+        "batch": state.batch,
+        "resets": resets,
+    }
 
 
 def _round() -> int:

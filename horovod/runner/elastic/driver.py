@@ -29,16 +29,28 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from horovod.rendezvous import elastic as protocol
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.discovery import DiscoveryError
 from horovod.runner.elastic.membership import HostBook, change, host_of, seats
+from horovod.runner.elastic.workers import Launcher
 from horovod.runner.hosts import HostInfo
-from horovod.runner.procs import Command, OutputSink, Worker, exit_description, spawn, stop_workers
 
 POLL_S = 0.02
 DISCOVER_EVERY_S = 1.0
+
+# How messages name the job's settings: horovodrun's flags by default; Ray and Spark pass the
+# names of their own arguments.
+CLI_NAMES = {
+    "label": "horovodrun",
+    "min_np": "--min-np/-np",
+    "elastic_timeout": "--elastic-timeout",
+    "reset_limit": "--reset-limit",
+    "cooldown": "--blacklist-cooldown-range",
+    "add_hosts": "Add hosts (check the discovery script's output)",
+}
 
 
 @dataclass
@@ -56,7 +68,7 @@ class ElasticDriver:
         discovery: object,
         *,
         server: RendezvousServer,
-        make_command: Callable[[str, int, dict[str, str]], Command],
+        launcher: Launcher,
         np: int,
         min_np: int,
         max_np: int | None,
@@ -66,27 +78,27 @@ class ElasticDriver:
         start_timeout: float,
         leave_timeout: float,
         grace: float,
-        sink: OutputSink,
         verbose: bool = False,
         discover_every: float = DISCOVER_EVERY_S,
+        names: dict[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.discovery = discovery
         self.server = server
-        self.make_command = make_command
+        self.launcher = launcher
         self.np, self.min_np, self.max_np = np, min_np, max_np
         self.reset_limit = reset_limit
         self.elastic_timeout = elastic_timeout
         self.start_timeout = start_timeout
         self.leave_timeout = leave_timeout
         self.grace = grace
-        self.sink = sink
         self.verbose = verbose
         self.discover_every = discover_every
+        self.names = {**CLI_NAMES, **(names or {})}
         self.clock = clock
         self.book = HostBook(cooldown, clock)
-        self.exits: queue.SimpleQueue[Worker] = queue.SimpleQueue()
-        self.workers: dict[str, Worker] = {}  # slot -> its live process
+        self.exits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.workers: dict[str, Any] = {}  # slot -> its live process
         self.ids: dict[int, str] = {}  # id(worker) -> worker id
         self.started: dict[int, float] = {}  # id(worker) -> when started (new processes)
         self.wids = itertools.count()
@@ -102,7 +114,7 @@ class ElasticDriver:
         self.finished_by: str | None = None
         self.error: str | None = None
         self.interrupted: str | None = None
-        self.all_workers: list[Worker] = []
+        self.all_workers: list[Any] = []
         self._discovered: list[HostInfo] | None = None
         self._discover_lock = threading.Lock()
         self._stop = threading.Event()
@@ -113,7 +125,7 @@ class ElasticDriver:
             try:
                 hosts = self.discovery.find()  # type: ignore[attr-defined]
             except DiscoveryError as e:  # only raised before the first success
-                print(f"horovodrun: {e}", file=sys.stderr)
+                print(f"{self.names['label']}: {e}", file=sys.stderr)
                 continue
             with self._discover_lock:
                 self._discovered = hosts
@@ -174,7 +186,7 @@ class ElasticDriver:
         finally:
             self._stop.set()
         if self.error is not None or self.interrupted is not None:
-            stop_workers(list(self.workers.values()), self.grace)
+            self.launcher.stop(list(self.workers.values()), self.grace)
             deadline = self.clock() + self.grace + 5
             while self.workers and self.clock() < deadline:
                 self._reap()
@@ -182,7 +194,7 @@ class ElasticDriver:
         for w in self.all_workers:
             for t in w.threads:
                 t.join(2)
-        self.sink.close()
+        self.launcher.close()
         if self.interrupted is not None:
             return 130 if self.interrupted == "SIGINT" else 143
         return 1 if self.error is not None else 0
@@ -208,9 +220,9 @@ class ElasticDriver:
                 continue
             if w.stopped_by_us or slot is None:
                 continue
-            self._failed(w, slot, exit_description(w.exit_code or 1, w.remote))
+            self._failed(w, slot, self.launcher.describe(w))
 
-    def _failed(self, w: Worker, slot: str, what: str) -> None:
+    def _failed(self, w: Any, slot: str, what: str) -> None:
         self.failures.append(Failure(slot, w.rank, what, time.time(), list(w.tail)))
         self.book.blacklist(host_of(slot), what)
         self._say(f"rank {w.rank} ({slot}) {what}; blacklisting host {host_of(slot)}")
@@ -239,8 +251,8 @@ class ElasticDriver:
                 if w is not None and not w.stopped_by_us:
                     self._stop_failed(w, target, "made no progress (reported by its peers)")
 
-    def _stop_failed(self, w: Worker, slot: str, what: str) -> None:
-        stop_workers([w], 0.0, signal.SIGKILL)
+    def _stop_failed(self, w: Any, slot: str, what: str) -> None:
+        self.launcher.stop([w], 0.0, signal.SIGKILL)
         self._failed(w, slot, what)
 
     def _read_leavers(self) -> None:
@@ -253,7 +265,7 @@ class ElasticDriver:
                 self._break()
                 return
 
-    def _ready_for(self, slot: str, w: Worker) -> int | None:
+    def _ready_for(self, slot: str, w: Any) -> int | None:
         """The round after which ``w`` asked to join, if it asked (None otherwise)."""
         got = protocol.read_ready(self.server.get(protocol.SCOPE, f"ready.{slot}"))
         if got is None or got[1] != self.ids.get(id(w)):
@@ -279,13 +291,13 @@ class ElasticDriver:
             if self.book.all_blacklisted_for_good() and not self._may_grow():
                 self.error = (
                     "every host is blacklisted after failures, and no cooldown was set "
-                    "(--blacklist-cooldown-range) to let them back"
+                    f"({self.names['cooldown']}) to let them back"
                 )
             elif now - self.forming_since > self.elastic_timeout:
                 self.error = (
                     f"Timed out after {self.elastic_timeout:g} s waiting for the minimum number "
-                    f"of slots: {len(wanted)} usable, {need} needed (--min-np/-np). Add hosts "
-                    "(check the discovery script's output) or raise --elastic-timeout."
+                    f"of slots: {len(wanted)} usable, {need} needed ({self.names['min_np']}). "
+                    f"{self.names['add_hosts']} or raise {self.names['elastic_timeout']}."
                 )
             return
         # Members of the broken round that do not leave it in time are lost (frozen, stuck).
@@ -323,7 +335,7 @@ class ElasticDriver:
             self.resets += 1
             if self.reset_limit is not None and self.resets > self.reset_limit:
                 self.error = (
-                    f"the job was reset {self.resets} times, more than --reset-limit "
+                    f"the job was reset {self.resets} times, more than {self.names['reset_limit']} "
                     f"{self.reset_limit} allows"
                 )
                 return
@@ -351,12 +363,7 @@ class ElasticDriver:
             "HOROVOD_HOSTNAME": host_of(slot),
             **seat.env(),
         }
-        w = spawn(
-            self.make_command(host_of(slot), seat.rank, env),
-            self.sink,
-            self.max_np or 1000,
-            self.exits,
-        )
+        w = self.launcher.start(host_of(slot), seat.rank, env, self.exits)
         self.workers[slot] = w
         self.ids[id(w)] = wid
         self.started[id(w)] = self.clock()
@@ -370,9 +377,9 @@ class ElasticDriver:
             for s, w in self.workers.items()
             if s in self.members and self._ready_for(s, w) == self.generation
         ]
-        stop_workers([w for w in idle if not w.stopped_by_us], self.grace)
+        self.launcher.stop([w for w in idle if not w.stopped_by_us], self.grace)
 
-    def _slot_of(self, w: Worker) -> str | None:
+    def _slot_of(self, w: Any) -> str | None:
         for slot, live in self.workers.items():
             if live is w:
                 return slot
@@ -380,19 +387,19 @@ class ElasticDriver:
 
     def _say(self, text: str) -> None:
         if self.verbose:
-            print(f"horovodrun: elastic: {text}", file=sys.stderr, flush=True)
+            print(f"{self.names['label']}: elastic: {text}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ report
     def report(self) -> str:
         if self.interrupted is not None:
-            return f"horovodrun: received {self.interrupted}; stopped all workers."
+            return f"{self.names['label']}: received {self.interrupted}; stopped all workers."
         lines = []
         if self.error is not None:
-            lines += ["", f"horovodrun: the elastic job failed: {self.error}."]
+            lines += ["", f"{self.names['label']}: the elastic job failed: {self.error}."]
         elif self.failures:
             lines += [
                 "",
-                f"horovodrun: the elastic job finished after {len(self.failures)} worker "
+                f"{self.names['label']}: the elastic job finished after {len(self.failures)} worker "
                 f"failure(s) and {self.resets} reset(s).",
             ]
         if self.failures:

@@ -19,10 +19,23 @@ from horovod.common.config import setting
 from horovod.common.shm_names import cleanup_job
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.driver import ElasticDriver
+from horovod.runner.elastic.workers import ProcessLauncher
 from horovod.runner.procs import Command, OutputSink
 
 STALL_SHUTDOWN_DEFAULT_S = 60.0
 LEAVE_MARGIN_S = 10.0
+
+
+def set_worker_defaults(base: dict[str, str], elastic_timeout: float) -> float:
+    """Put an elastic job's defaults into the workers' environment ``base`` (stall shutdown,
+    elastic timeout); return how long a member may take to leave a broken round."""
+    if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in base:
+        base["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = f"{STALL_SHUTDOWN_DEFAULT_S:g}"
+        if "HOROVOD_STALL_CHECK_TIME_SECONDS" not in base:
+            base["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{STALL_SHUTDOWN_DEFAULT_S / 2:g}"
+    base["HOROVOD_ELASTIC_TIMEOUT"] = f"{elastic_timeout:g}"
+    shutdown_s = setting("stall_shutdown_time_seconds", base)
+    return (shutdown_s or STALL_SHUTDOWN_DEFAULT_S) + LEAVE_MARGIN_S
 
 
 def run_elastic(
@@ -36,35 +49,34 @@ def run_elastic(
 ) -> int:
     import sys
 
-    if "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" not in base:
-        base["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = f"{STALL_SHUTDOWN_DEFAULT_S:g}"
-        if "HOROVOD_STALL_CHECK_TIME_SECONDS" not in base:
-            base["HOROVOD_STALL_CHECK_TIME_SECONDS"] = f"{STALL_SHUTDOWN_DEFAULT_S / 2:g}"
-    shutdown_s = setting("stall_shutdown_time_seconds", base)
     elastic_timeout = (
         a.elastic_timeout if a.elastic_timeout is not None else setting("elastic_timeout", base)
     )
     start_timeout = (
         a.start_timeout if a.start_timeout is not None else setting("start_timeout", base)
     )
-    base["HOROVOD_ELASTIC_TIMEOUT"] = f"{elastic_timeout:g}"
+    leave_timeout = set_worker_defaults(base, elastic_timeout)
     cooldown = a.blacklist_cooldown_range
+    max_np = (
+        a.max_np if a.max_np is not None else (a.np if a.host_discovery_script is None else None)
+    )
     driver = ElasticDriver(
         discovery,
         server=server,
-        make_command=make_command,
+        launcher=ProcessLauncher(
+            make_command,
+            OutputSink(a.prefix_output_with_timestamp, a.output_filename),
+            max_np or 1000,
+        ),
         np=a.np,
         min_np=a.min_np,
-        max_np=a.max_np
-        if a.max_np is not None
-        else (a.np if a.host_discovery_script is None else None),
+        max_np=max_np,
         reset_limit=a.reset_limit,
         cooldown=None if cooldown is None else (cooldown[0], cooldown[1]),
         elastic_timeout=elastic_timeout,
         start_timeout=start_timeout,
-        leave_timeout=(shutdown_s or STALL_SHUTDOWN_DEFAULT_S) + LEAVE_MARGIN_S,
+        leave_timeout=leave_timeout,
         grace=grace,
-        sink=OutputSink(a.prefix_output_with_timestamp, a.output_filename),
         verbose=a.verbose,
         discover_every=setting("elastic_discovery_seconds", base),
     )
