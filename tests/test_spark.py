@@ -5,6 +5,7 @@ named as the root cause, more ranks than task slots refused at once, the example
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -294,3 +295,93 @@ def test_keras_estimator_fits_a_dataframe_and_its_model_predicts(spark, tmp_path
     assert store.exists(store.get_logs_path("krun") + "/history.json")
     out = fitted.transform(df).select("y", "y__output").collect()
     assert len(out) == 300 and max(abs(r["y"] - r["y__output"]) for r in out) < 0.1
+
+
+# ---------------------------------------------------------------------------- elastic jobs
+def _worker_processes():
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        if any(
+            "horovod.spark.agent import worker_main" in part for part in p.info["cmdline"] or []
+        ):
+            out.append(p)
+    return out
+
+
+def _sizes(log):
+    return [int(line.split()[3]) for line in log.read_text().splitlines()]
+
+
+def test_run_elastic_loses_a_worker_goes_on_and_grows_back(spark, tmp_path):
+    """Two agents, two workers; rank 1 exits at epoch 0 batch 2: rank 0 goes on alone from its
+    last commit, the host comes back after the 1 s cooldown and the idle agent starts a new
+    worker. The weights are those of training without faults; nothing is left running."""
+    import numpy as np
+
+    import horovod.spark
+    from horovod.testing.elastic_train import reference_weights, train_job
+
+    log = tmp_path / "log"
+    faults = [{"id": "exit", "epoch": 0, "batch": 2, "rank": 1, "how": "exit"}]
+    out = horovod.spark.run_elastic(
+        train_job,
+        kwargs={"epochs": 3, "batches": 8, "step_seconds": 0.1, "log": str(log)},
+        num_proc=2,
+        min_num_proc=1,
+        cooldown_range=(1, 1),
+        env={"HVD_TEST_FAULTS": json.dumps(faults), "HVD_TEST_FAULT_DIR": str(tmp_path)},
+    )
+    sizes = _sizes(log)
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
+    assert [o["rank"] for o in out] == [0, 1] and [o["size"] for o in out] == [2, 2]
+    want = reference_weights(3, 8)
+    for o in out:
+        np.testing.assert_array_equal(o["w"], out[0]["w"])
+        np.testing.assert_allclose(o["w"], want, rtol=1e-9, atol=1e-12)
+    assert _worker_processes() == []
+
+
+def shard_error():
+    import horovod.numpy as hvd
+
+    hvd.init()
+    raise ValueError(f"rank {hvd.rank()} cannot read its shard")
+
+
+def kill_my_task():
+    """Rank 1 kills the Spark task (Python worker) it runs under, as a lost executor would."""
+    import signal
+
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        os.kill(os.getppid(), signal.SIGKILL)
+    for i in range(600):
+        hvd.allreduce(np.ones(2), name=f"step.{i}")
+        time.sleep(0.05)
+
+
+def test_run_elastic_failures_are_explained_and_leave_nothing(spark):
+    import horovod.spark
+
+    # every worker raises: no one is left to carry the state; the errors are named
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="no worker of round 0 is left") as err:
+        horovod.spark.run_elastic(shard_error, num_proc=2, min_num_proc=1)
+    assert "exited with code 1" in str(err.value) and "cannot read its shard" in str(err.value)
+    # the Spark task running a worker is killed: Spark fails the stage, the job ends at once
+    with pytest.raises(RuntimeError, match="Spark stage running the workers failed") as err:
+        horovod.spark.run_elastic(kill_my_task, num_proc=2, min_num_proc=1)
+    assert "Python worker exited unexpectedly" in str(err.value)  # Spark's own reason
+    assert time.monotonic() - t0 < 90
+    assert _worker_processes() == []
+    # sizes are checked up front
+    with pytest.raises(ValueError, match="min_num_proc <= num_proc <= max_num_proc"):
+        horovod.spark.run_elastic(shard_error, num_proc=2, min_num_proc=3)
+    # and Spark still runs jobs afterwards
+    assert horovod.spark.run(lambda: 5, num_proc=2) == [5, 5]

@@ -7,6 +7,7 @@ session, the tasks import what the user's function imports.
 Must not touch: the training runtime (see ``horovod.spark.runner``).
 """
 
+from horovod.spark.elastic import run_elastic
 from horovod.spark.runner import run
 
-__all__ = ["run"]
+__all__ = ["run", "run_elastic"]

@@ -202,6 +202,11 @@ class ElasticDriver:
     def interrupt(self, signame: str) -> None:
         self.interrupted = self.interrupted or signame
 
+    def abort(self, why: str) -> None:
+        """End the job as failed (from another thread: the engine running the workers
+        failed, so no round can form); its workers are stopped."""
+        self.error = self.error or why
+
     # ------------------------------------------------------------------ events
     def _reap(self) -> None:
         while True:
