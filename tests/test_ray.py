@@ -364,4 +364,10 @@ def test_elastic_failures_and_bad_calls_are_explained(cluster, tmp_path):
         ex3.start(executable_cls=Counter)
     with pytest.raises(ValueError, match="max_num_proc must be an int >= min_num_proc"):
         ElasticRayExecutor.create_settings(min_num_proc=3, max_num_proc=2)
+    # slots per node: its CPUs per worker, and no more than its GPUs when workers need one
+    from horovod.ray import RayHostDiscovery
+
+    assert [h.slots for h in RayHostDiscovery(cpus_per_slot=2).find()] == [1]
+    assert [h.slots for h in RayHostDiscovery(cpus_per_slot=1).find()] == [3]
+    assert RayHostDiscovery(use_gpu=True).find() == []  # the head node has no GPU
     _nothing_left(cluster, [])
