@@ -104,6 +104,14 @@ def collectives() -> None:
     else:
         raise AssertionError("a shape mismatch was not refused")
     assert (hvd.allreduce(np.ones(2), op=hvd.Sum, name="after") == n).all()
+    # Adasum (MPI has none: the project's tree over MPI's point-to-point), the tree's bits
+    from horovod.collectives.adasum import reference
+
+    def grad(k: int) -> np.ndarray:
+        return np.random.default_rng(k).standard_normal(40_000)
+
+    got = hvd.allreduce(grad(r), op=hvd.Adasum, name="adasum")
+    assert got.tobytes() == reference([grad(k) for k in range(n)]).tobytes()
     hvd.shutdown()
     print(f"OK {r}", flush=True)
 

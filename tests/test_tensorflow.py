@@ -392,7 +392,7 @@ def test_keras_optimizer_argument_errors():
     import horovod.tensorflow.keras as hk
 
     def body(rank):
-        with pytest.raises(ValueError, match="only supports Average and Sum"):
+        with pytest.raises(ValueError, match="op must be hvd.Average, hvd.Sum or hvd.Adasum"):
             hk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), op=hvd.Max)
         return "ok"
 

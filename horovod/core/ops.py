@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from horovod.collectives import algorithms as alg
+from horovod.collectives.adasum import adasum_allreduce
 from horovod.common.dtypes import DTYPE_OF_CODE
 from horovod.core.messages import (
+    ADASUM_OP,
     ALLGATHER,
     ALLREDUCE,
     ALLTOALL,
@@ -119,6 +121,8 @@ def _allreduce(
     resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers, trace: Trace, kind: str
 ) -> list:
     dtype = DTYPE_OF_CODE[resp.dtype]
+    if resp.reduce_op == ADASUM_OP:
+        return _adasum(resp, entries, t, bufs, trace, kind)
     post = alg.average_post(resp.postscale, t.size) if resp.reduce_op == AVERAGE else resp.postscale
     reducer = UFUNCS[resp.reduce_op]
     if len(entries) == 1:
@@ -168,6 +172,40 @@ def _allreduce(
         else:
             results.append(None)
         off = end
+    return results
+
+
+def _adasum(
+    resp: Response, entries: Sequence[Entry | None], t, bufs: Buffers, trace: Trace, kind: str
+) -> list:
+    """An Adasum allreduce (``collectives.adasum``): per tensor, also when fused; a joined
+    rank's zeros leave the others' vectors as they are."""
+    dtype = DTYPE_OF_CODE[resp.dtype]
+    counts = [math.prod(s) for s in resp.shapes]
+    trace("MEMCPY_IN_FUSION_BUFFER")
+    buf = bufs.fusion_view(sum(counts) * dtype.itemsize, dtype)
+    off = 0
+    for e, c in zip(entries, counts, strict=True):
+        seg = buf[off : off + c]
+        if e is None:
+            seg.fill(0)
+        else:
+            np.copyto(seg, _flat(e.array))
+        off += c
+    trace(f"{kind}_ADASUM")
+    scale(buf, resp.prescale)
+    adasum_allreduce(t, buf, counts, bufs.scratch)
+    scale(buf, resp.postscale)
+    trace("MEMCPY_OUT_FUSION_BUFFER")
+    off = 0
+    results: list = []
+    for e, c in zip(entries, counts, strict=True):
+        if e is not None:
+            np.copyto(e.output.reshape(-1), buf[off : off + c])
+            results.append(e.output)
+        else:
+            results.append(None)
+        off += c
     return results
 
 

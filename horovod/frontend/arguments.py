@@ -85,10 +85,12 @@ def resolve_op(op: int | None, average: bool | None, what: str, default: int = A
     if op is None:
         op = default
     if op == Adasum:
-        raise NotImplementedError(
-            f"{what}: op=Adasum is not available in this pyhorovod build "
-            "yet; use op=hvd.Average or hvd.Sum"
-        )
+        if "reducescatter" in what:
+            raise ValueError(
+                f"{what}: op=Adasum combines whole vectors (its coefficients need every "
+                "element), so it cannot scatter; use op=hvd.Average or hvd.Sum"
+            )
+        return op
     if op not in REDUCE_OPS:
         raise ValueError(f"{what}: unknown op={op!r}; use hvd.Average, Sum, Min, Max or Product")
     return op

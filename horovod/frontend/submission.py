@@ -32,7 +32,7 @@ from horovod.core.messages import (
     SUM,
     Request,
 )
-from horovod.frontend.arguments import Average, Sum, require_context, resolve_set
+from horovod.frontend.arguments import Adasum, Average, Sum, require_context, resolve_set
 from horovod.frontend.naming import callsite, group_id, op_names
 
 Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
@@ -117,6 +117,14 @@ def express_allreduce(
     return express(ALLREDUCE, "allreduce.", name, arr, out, process_set, reduce_op)
 
 
+def _check_adasum(t: np.ndarray, op: int, what: str) -> None:
+    if op == Adasum and t.dtype.kind != "f" and t.dtype.name != "bfloat16":
+        raise TypeError(
+            f"{what}: op=Adasum needs floating-point tensors (its coefficients are ratios of "
+            f"dot products), got {t.dtype.name}; use op=hvd.Sum for integers"
+        )
+
+
 def submit_allreduce(
     tensors: Sequence[np.ndarray],
     outputs: Sequence[np.ndarray],
@@ -134,6 +142,7 @@ def submit_allreduce(
     ctx = require_context()
     ps_id = resolve_set(ctx, process_set, what)
     for t in tensors:
+        _check_adasum(t, op, what)
         if t.dtype == np.bool_ and op == Average:
             raise ValueError(
                 f"{what}: op=Average is not defined for bool arrays; use Sum (or), "
@@ -177,6 +186,8 @@ def submit_allreduce_batch(
     ps_id = resolve_set(ctx, process_set, "allreduce")
     if len(names) != len(tensors) or len(set(names)) != len(names):
         raise ValueError("allreduce batch: give one distinct name per tensor")
+    for t in tensors:
+        _check_adasum(t, op, "allreduce")
     return enqueue(
         ctx,
         "allreduce",

@@ -28,7 +28,7 @@ from jax.experimental import io_callback
 from horovod import frontend as F
 from horovod.common.process_sets import ProcessSet, global_process_set
 
-Average, Sum, Min, Max, Product = F.Average, F.Sum, F.Min, F.Max, F.Product
+Average, Sum, Adasum, Min, Max, Product = F.Average, F.Sum, F.Adasum, F.Min, F.Max, F.Product
 
 
 def _traced(*xs: Any) -> bool:
@@ -91,8 +91,8 @@ def _allreduce_fwd(x, op, pre, post, name, ps):  # type: ignore[no-untyped-def]
 
 
 def _allreduce_bwd(op, pre, post, name, ps, _res, ct):  # type: ignore[no-untyped-def]
-    if op not in (Average, Sum):
-        raise NotImplementedError("only Sum and Average allreduces have a gradient")
+    if op not in (Average, Sum, Adasum):
+        raise NotImplementedError("only Sum, Average and Adasum allreduces have a gradient")
     return (_allreduce(ct, op, pre, post, f"{name}.grad" if name else None, ps),)
 
 
@@ -138,8 +138,8 @@ def _grouped_fwd(xs, op, pre, post, name, ps):  # type: ignore[no-untyped-def]
 
 
 def _grouped_bwd(op, pre, post, name, ps, _res, cts):  # type: ignore[no-untyped-def]
-    if op not in (Average, Sum):
-        raise NotImplementedError("only Sum and Average allreduces have a gradient")
+    if op not in (Average, Sum, Adasum):
+        raise NotImplementedError("only Sum, Average and Adasum allreduces have a gradient")
     return (_grouped_allreduce(tuple(cts), op, pre, post, f"{name}.grad" if name else None, ps),)
 
 

@@ -128,8 +128,8 @@ def DistributedOptimizer(
             f"DistributedOptimizer: expected an optax.GradientTransformation (for example "
             f"optax.adam(1e-3)), got {type(optimizer).__name__}"
         )
-    if op not in (mpi_ops.Average, mpi_ops.Sum):
-        raise ValueError("DistributedOptimizer: op must be hvd.Average or hvd.Sum")
+    if op not in (mpi_ops.Average, mpi_ops.Sum, mpi_ops.Adasum):
+        raise ValueError("DistributedOptimizer: op must be hvd.Average, hvd.Sum or hvd.Adasum")
 
     def init(params: Any) -> DistributedState:
         return DistributedState(optimizer.init(params))

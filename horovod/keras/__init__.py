@@ -177,8 +177,8 @@ def DistributedOptimizer(
             process_set=process_set,
             scale_local_gradients=scale_local_gradients,
         )
-    if op not in (Average, Sum):
-        raise ValueError("op currently only supports Average and Sum")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError("op must be hvd.Average, hvd.Sum or hvd.Adasum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     base = optimizer.__class__

@@ -109,10 +109,6 @@ class _DistributedGradientTape:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if op not in (Average, Sum, Adasum):
             raise ValueError("op must be Average, Sum or Adasum")
-        if op == Adasum:
-            raise NotImplementedError(
-                "op=Adasum is not supported by this version of pyhorovod; use Average or Sum"
-            )
         self._hvd_compression = compression
         self._hvd_sparse_as_dense = sparse_as_dense
         self._hvd_op = op
@@ -303,10 +299,6 @@ def DistributedOptimizer(
 ) -> Any:
     """Wrap a ``tf.compat.v1.train.Optimizer`` (gradients reduced in ``compute_gradients``) or a
     Keras optimizer (see ``horovod.tensorflow.keras.DistributedOptimizer``)."""
-    if op == Adasum:
-        raise NotImplementedError(
-            "op=Adasum is not supported by this version of pyhorovod; use Average or Sum"
-        )
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):

@@ -27,13 +27,13 @@ from horovod import frontend as F
 from horovod.common.exceptions import CollectiveRejected
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import context as _context
-from horovod.core.messages import AVERAGE, SUM
+from horovod.core.messages import ADASUM_OP, AVERAGE, SUM
 from horovod.tensorflow.util import _executing_eagerly  # noqa: F401  (upstream's name here)
 
 # Upstream's ``_basics`` object (user code calls ``_get_process_set_ids_and_ranks()`` on it).
 _basics = F.BASICS
 
-Average, Sum = AVERAGE, SUM
+Average, Sum, Adasum = AVERAGE, SUM, ADASUM_OP
 
 # Our functions run as written inside tf.function (no AutoGraph rewriting of their Python).
 _no_autograph = tf.autograph.experimental.do_not_convert
@@ -154,8 +154,8 @@ def _allreduce_dense(
         y.set_shape(x.shape)
 
         def grad(dy: tf.Tensor) -> tf.Tensor:
-            if op not in (AVERAGE, SUM):
-                raise NotImplementedError("only Sum and Average allreduces have a gradient")
+            if op not in (AVERAGE, SUM, ADASUM_OP):
+                raise NotImplementedError("only Sum, Average and Adasum allreduces have a gradient")
             return _allreduce_dense(
                 dy, op, prescale, postscale, f"{name}.grad" if name else None, process_set
             )
@@ -291,8 +291,8 @@ def _grouped_allreduce_dense(
             y.set_shape(x.shape)
 
         def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            if op not in (AVERAGE, SUM):
-                raise NotImplementedError("only Sum and Average allreduces have a gradient")
+            if op not in (AVERAGE, SUM, ADASUM_OP):
+                raise NotImplementedError("only Sum, Average and Adasum allreduces have a gradient")
             return _grouped_allreduce_dense(
                 list(dys), op, prescale, postscale, f"{name}.grad" if name else None, process_set
             )
@@ -643,7 +643,8 @@ def reduce_gradients(
                 out[i] = g / tf.cast(n, g.dtype)
             continue
         if isinstance(g, tf.IndexedSlices):
-            if not sparse_as_dense:
+            # (Adasum's coefficients need whole vectors: its sparse gradients go dense)
+            if not sparse_as_dense and op != Adasum:
                 out[i] = allreduce(
                     g, op=op, process_set=ps, name=f"{name}.sparse.{i}" if name else None
                 )

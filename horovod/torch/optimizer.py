@@ -621,10 +621,11 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
-    if op == Adasum:
-        raise NotImplementedError(
-            "op=Adasum is not available in this pyhorovod build yet; use hvd.Average or hvd.Sum"
-        )
+    if op == Adasum and (process_set.size() or 1) > 1:
+        # upstream's delta optimizer: Adasum of the parameters' changes after a local step
+        from horovod.torch.adasum_optimizer import adasum_optimizer
+
+        return adasum_optimizer(optimizer, compression, process_set)
     if num_groups != 0:
         warnings.warn(
             "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",

@@ -37,7 +37,7 @@ from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
 from horovod.tensorflow.keras import callbacks, elastic
-from horovod.tensorflow.mpi_ops import Average, Sum
+from horovod.tensorflow.mpi_ops import Adasum, Average, Sum
 
 
 def _keras() -> Any:
@@ -149,8 +149,8 @@ def DistributedOptimizer(
 ) -> Any:
     """A copy of ``optimizer`` (same class name and config) whose updates use gradients
     averaged (or summed, ``op=hvd.Sum``) over the ranks of ``process_set``."""
-    if op not in (Average, Sum):
-        raise ValueError("op currently only supports Average and Sum")
+    if op not in (Average, Sum, Adasum):
+        raise ValueError("op must be hvd.Average, hvd.Sum or hvd.Adasum")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step < 1:
