@@ -110,9 +110,7 @@ def _reduce_jax(grads: list[Any], cfg: dict[str, Any], local: AbstractSet[int]) 
             if grads[i] is not None:
                 out[i] = grads[i] / ps.size()
     idx = [i for i, g in enumerate(grads) if g is not None and i not in local]
-    wire = {_Compression.fp16: jnp.float16, _Compression.bf16: jnp.bfloat16}.get(
-        cfg["compression"]
-    )
+    wire = {_Compression.fp16: jnp.float16, _Compression.bf16: jnp.bfloat16}.get(cfg["compression"])
     sent = [grads[i].astype(wire) if wire is not None else grads[i] for i in idx]
     pre, post = 1.0, 1.0
     if cfg["op"] == Average and cfg["predivide"] != 1.0:

@@ -20,11 +20,15 @@ BroadcastGlobalVariablesCallback = _built.BroadcastGlobalVariablesCallback
 MetricAverageCallback = _built.MetricAverageCallback
 LearningRateScheduleCallback = _built.LearningRateScheduleCallback
 LearningRateWarmupCallback = _built.LearningRateWarmupCallback
+LocalSGDCallback = _built.LocalSGDCallback
+DiLoCoCallback = _built.DiLoCoCallback
 
 __all__ = [
     "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
+    "DiLoCoCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
+    "LocalSGDCallback",
     "MetricAverageCallback",
 ]

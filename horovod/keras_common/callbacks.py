@@ -221,7 +221,71 @@ def build(
 
         best = BestModelCheckpoint
 
+    class LocalSGDCallback(base):
+        """Local SGD in ``model.fit`` (docs/communication.md): the model trains on each rank's
+        own batches (no DistributedOptimizer) and its trainable weights are averaged over the
+        ranks every ``sync_every`` batches and at the end of training. Put it after
+        ``BroadcastGlobalVariablesCallback``."""
+
+        def __init__(self, sync_every: int, process_set: Any = None, **outer: Any) -> None:
+            super().__init__()
+            from horovod.common.process_sets import global_process_set
+            from horovod.frontend.local_sgd import Periodic
+
+            kind = "DiLoCo" if outer else "LocalSGD"
+            self.core = Periodic(
+                sync_every,
+                process_set=process_set or global_process_set,
+                name=f"{kind}Callback",
+                what=f"{kind}Callback",
+                **outer,
+            )
+
+        def _arrays(self) -> list[np.ndarray]:
+            return [np.array(v.numpy(), copy=True) for v in self.model.trainable_weights]
+
+        def _sync(self) -> None:
+            arrays = self._arrays()
+            self.core.sync(arrays)
+            for v, a in zip(self.model.trainable_weights, arrays, strict=True):
+                v.assign(a)
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if self.core.outer_lr is not None and self.core.global_params is None:
+                self.core.before_step(self._arrays())
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.core.steps += 1
+            if self.core.steps % self.core.sync_every == 0:
+                self._sync()
+
+        def on_train_end(self, logs: Any = None) -> None:
+            if self.core.steps % self.core.sync_every:
+                self._sync()  # end with the same weights on every rank
+
+    class DiLoCoCallback(LocalSGDCallback):
+        """DiLoCo in ``model.fit``: as ``LocalSGDCallback``, with an outer Nesterov step
+        (``outer_lr``, ``outer_momentum``) on the ranks' averaged change at each sync."""
+
+        def __init__(
+            self,
+            sync_every: int,
+            outer_lr: float = 0.7,
+            outer_momentum: float = 0.9,
+            nesterov: bool = True,
+            process_set: Any = None,
+        ) -> None:
+            super().__init__(
+                sync_every,
+                process_set,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                nesterov=nesterov,
+            )
+
     return SimpleNamespace(
+        DiLoCoCallback=DiLoCoCallback,
+        LocalSGDCallback=LocalSGDCallback,
         BestModelCheckpoint=best,
         BroadcastGlobalVariablesCallback=BroadcastGlobalVariablesCallback,
         MetricAverageCallback=MetricAverageCallback,

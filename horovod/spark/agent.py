@@ -169,4 +169,3 @@ def worker_main() -> int:
         return 1
     store.set(SCOPE, f"result.{wid}", cloudpickle.dumps(result))
     return 0
-

@@ -49,6 +49,7 @@ from horovod.keras_common.local import local_weights
 from horovod.tensorflow import elastic, util
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
+from horovod.tensorflow.local_sgd import DiLoCo, LocalSGD
 from horovod.tensorflow.mpi_ops import (
     Average,
     Sum,
@@ -351,6 +352,8 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
 
 
 __all__ = [
+    "DiLoCo",
+    "LocalSGD",
     "elastic",
     "util",
     "Adasum",

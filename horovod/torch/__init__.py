@@ -43,6 +43,7 @@ from horovod.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from horovod.torch.local_sgd import DiLoCo, LocalSGD
 from horovod.torch.mpi_ops import (
     Adasum,
     Average,
@@ -150,6 +151,8 @@ __all__ = [
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "DistributedOptimizer",
+    "LocalSGD",
+    "DiLoCo",
     "SyncBatchNorm",
     "elastic",
 ]
