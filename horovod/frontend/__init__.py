@@ -86,6 +86,7 @@ from horovod.frontend.collectives import (
     reducescatter,
     reducescatter_async,
 )
+from horovod.frontend.collectives import exchange_reduce as exchange_reduce  # (frameworks)
 from horovod.frontend.compression import Compression, Compressor, NoneCompressor
 from horovod.frontend.handles import poll, synchronize
 from horovod.frontend.objects import allgather_object, broadcast_object

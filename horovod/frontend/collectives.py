@@ -79,6 +79,18 @@ def allreduce(
     process_set: ProcessSet = global_process_set,
 ) -> np.ndarray:
     """Reduce ``tensor`` over all ranks of ``process_set``; returns a new array."""
+    if getattr(compression, "exchange", False):
+        return exchange_reduce(
+            compression,
+            [tensor],
+            name,
+            op,
+            average,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            "allreduce",
+        )[0]
     if compression is Compression.none:
         got = express_allreduce(
             name, tensor, None, op, average, prescale_factor, postscale_factor, process_set
@@ -179,6 +191,18 @@ def grouped_allreduce(
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
 ) -> list[np.ndarray]:
+    if getattr(compression, "exchange", False):
+        return exchange_reduce(
+            compression,
+            tensors,
+            name,
+            op,
+            average,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            "grouped_allreduce",
+        )
     op = resolve_op(op, average, "grouped_allreduce")
     packed = [compression.compress(as_array(t, "grouped_allreduce")) for t in tensors]
     with waited():
@@ -445,3 +469,28 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of ``process_set`` has reached the barrier."""
     ctx = require_context()
     blocking(ctx, BARRIER, "barrier.noname", resolve_set(ctx, process_set, "barrier"))
+
+
+def exchange_reduce(
+    compressor: Any,
+    tensors: Sequence[Any],
+    name: str | None,
+    op: int | None,
+    average: bool | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    what: str,
+) -> list[np.ndarray]:
+    """An allreduce through a lossy compressor's own exchange (``horovod.frontend.lossy``):
+    its error-feedback state is kept per tensor under ``name`` (or the shapes, unnamed)."""
+    op = resolve_op(op, average, what)
+    arrays = [as_array(t, what) for t in tensors]
+    if prescale_factor != 1.0:
+        arrays = [a * prescale_factor for a in arrays]
+    base = name or "unnamed." + "/".join(f"{a.shape}{a.dtype}" for a in arrays)
+    keys = [f"{base}.{i}" for i in range(len(arrays))] if len(arrays) > 1 else [base]
+    out = compressor.reduce(arrays, keys, op, process_set, name=f"{what}.{base}")
+    if postscale_factor != 1.0:
+        out = [o * postscale_factor for o in out]
+    return out

@@ -1,5 +1,6 @@
 """Upstream's compression interface for what travels (``Compression.none``, ``fp16``, and
-``bf16``) on NumPy arrays; frameworks wrap it for their tensors.
+``bf16``) on NumPy arrays, and the lossy compressors of ``horovod.frontend.lossy``; frameworks
+wrap it for their tensors.
 
 Must not touch: anything but the array it is given.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from horovod.frontend.lossy import Int8, PowerSGD, TopK
 
 
 class Compressor:
@@ -50,9 +53,14 @@ def _cast_compressor(target: np.dtype) -> type[Compressor]:
 
 
 class Compression:
-    """Gradient compression for transport: ``none``, ``fp16`` (upstream) and ``bf16``."""
+    """Gradient compression for transport: ``none``, ``fp16`` (upstream) and ``bf16`` (cast
+    around the allreduce); ``int8``, ``topk(ratio)`` and ``powersgd(rank)``, lossy with error
+    feedback, which run their own exchange (``horovod.frontend.lossy``)."""
 
     none = NoneCompressor
+    int8 = Int8()  # call it for other settings: Compression.int8(bucket=1024)
+    topk = staticmethod(TopK)
+    powersgd = staticmethod(PowerSGD)
     fp16 = _cast_compressor(np.dtype(np.float16))
     try:
         import ml_dtypes as _mld

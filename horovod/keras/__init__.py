@@ -48,6 +48,9 @@ class _Compression:
     none = F.Compression.none
     fp16 = F.Compression.fp16
     bf16 = F.Compression.bf16
+    int8 = F.Compression.int8
+    topk = F.Compression.topk
+    powersgd = F.Compression.powersgd
 
 
 Compression: Any = _Compression
@@ -76,10 +79,25 @@ def _reduce_numpy(
                 out[i] = grads[i] / ps.size()
     idx = [i for i, g in enumerate(grads) if g is not None and i not in local]
     arrays = [_contiguous(keras.ops.convert_to_numpy(grads[i])) for i in idx]
-    packed = [cfg["compression"].compress(a) for a in arrays]
     pre, post = 1.0, 1.0
     if cfg["op"] == Average and cfg["predivide"] != 1.0:
         pre, post = 1.0 / cfg["predivide"], cfg["predivide"]
+    if getattr(cfg["compression"], "exchange", False):  # int8 / top-k / PowerSGD
+        outs = F.exchange_reduce(
+            cfg["compression"],
+            arrays,
+            f"{cfg['name']}.grads",
+            cfg["op"],
+            None,
+            pre,
+            post,
+            ps,
+            "grouped_allreduce",
+        )
+        for i, value in zip(idx, outs, strict=True):
+            out[i] = keras.ops.convert_to_tensor(value, dtype=grads[i].dtype)
+        return out
+    packed = [cfg["compression"].compress(a) for a in arrays]
     reduced = F.grouped_allreduce(
         [p[0] for p in packed],
         op=cfg["op"],
@@ -193,6 +211,14 @@ def DistributedOptimizer(
         },
     )
     new = cls.from_config(optimizer.get_config())
+    if BACKEND == "jax" and getattr(compression, "exchange", False):
+        raise ValueError(
+            "horovod.keras on the JAX backend: the lossy compressors (int8, topk, powersgd) "
+            "run their exchange in Python, outside the compiled train step; use "
+            "Compression.fp16/bf16 here, or the TensorFlow or PyTorch backend"
+        )
+    if hasattr(compression, "fresh"):
+        compression = compression.fresh()  # error-feedback state of this optimizer only
     new._hvd_cfg = {
         "compression": compression or _Compression.none,
         "op": op,

@@ -110,7 +110,10 @@ class _DistributedGradientTape:
             raise ValueError("gradient_predivide_factor not supported with op != Average")
         if op not in (Average, Sum, Adasum):
             raise ValueError("op must be Average, Sum or Adasum")
-        self._hvd_compression = compression
+        # (a lossy compressor keeps error-feedback state: one copy per tape)
+        self._hvd_compression = (
+            compression.fresh() if hasattr(compression, "fresh") else compression
+        )
         self._hvd_sparse_as_dense = sparse_as_dense
         self._hvd_op = op
         self._hvd_predivide = gradient_predivide_factor

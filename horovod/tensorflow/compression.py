@@ -10,6 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 from horovod.frontend import Compressor, NoneCompressor
+from horovod.frontend import lossy as _lossy
 
 
 def _cast_compressor(target: tf.DType) -> type[Compressor]:
@@ -35,8 +36,13 @@ __all__ = ["BF16Compressor", "Compression", "Compressor", "FP16Compressor", "Non
 
 
 class Compression:
-    """Floating-point gradients sent as float16 (``fp16``) or bfloat16 (``bf16``)."""
+    """Floating-point gradients sent as float16 (``fp16``) or bfloat16 (``bf16``); ``int8``,
+    ``topk(ratio)`` and ``powersgd(rank)``: lossy with error feedback, running their own
+    exchange (``horovod.frontend.lossy``)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    int8 = _lossy.Int8()
+    topk = staticmethod(_lossy.TopK)
+    powersgd = staticmethod(_lossy.PowerSGD)

@@ -652,6 +652,22 @@ def reduce_gradients(
             g = tf.convert_to_tensor(g)
         dense_idx.append(i)
         dense.append(g)
+    if dense and getattr(compression, "exchange", False):
+        # int8 / top-k / PowerSGD: the compressor's own exchange (its state per gradient)
+        if op not in (Average, Sum):
+            raise ValueError(f"compression {type(compression).__name__} needs op Average or Sum")
+        key = name or "gradients"
+
+        def exchange(*arrays: np.ndarray) -> list[np.ndarray]:
+            outs = compression.reduce(
+                list(arrays), [f"{key}.{i}" for i in dense_idx], op, ps, name=key
+            )
+            return [o * postscale for o in outs] if postscale != 1.0 else outs
+
+        reduced = _run(exchange, dense, [g.dtype for g in dense], "HorovodCompressedAllreduce")
+        for i, r in zip(dense_idx, reduced, strict=True):
+            out[i] = tf.reshape(r, tf.shape(grads[i]) if grads[i] is not None else r.shape)
+        return out
     if dense:
         pre, post = 1.0, postscale
         if op == Average and predivide != 1.0:

@@ -207,6 +207,19 @@ def allreduce(
     from horovod.torch.compression import Compression
 
     compression = compression or Compression.none
+    if getattr(compression, "exchange", False):
+        (out,) = F.exchange_reduce(
+            compression,
+            [to_numpy(tensor.detach())],
+            name,
+            op,
+            average,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            "allreduce",
+        )
+        return from_numpy(out).to(tensor.dtype)
     if compression is Compression.none and is_plain(tensor):
         got = F.express_allreduce(
             name,
@@ -339,6 +352,19 @@ def grouped_allreduce(
     from horovod.torch.compression import Compression
 
     compression = compression or Compression.none
+    if getattr(compression, "exchange", False):
+        outs = F.exchange_reduce(
+            compression,
+            [to_numpy(t.detach()) for t in tensors],
+            name,
+            op,
+            average,
+            prescale_factor,
+            postscale_factor,
+            process_set,
+            "grouped_allreduce",
+        )
+        return [from_numpy(o).to(t.dtype) for o, t in zip(outs, tensors, strict=True)]
     op = F.resolve_op(op, average, "grouped_allreduce")
     packed = [compression.compress(t) for t in tensors]
     outs = HorovodGroupedAllreduce.apply(

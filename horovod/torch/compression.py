@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from horovod.frontend import lossy as _lossy
+
 
 class Compressor:
     """``compress(tensor) -> (tensor, ctx)``; ``decompress(tensor, ctx) -> tensor``."""
@@ -59,6 +61,13 @@ class BF16Compressor(_CastCompressor):
 
 
 class Compression:
+    """``none``, ``fp16``, ``bf16`` (cast around the allreduce); ``int8``, ``topk(ratio)``,
+    ``powersgd(rank)``: lossy with error feedback, running their own exchange
+    (``horovod.frontend.lossy``; with ``DistributedOptimizer`` or ``allreduce``)."""
+
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+    int8 = _lossy.Int8()
+    topk = staticmethod(_lossy.TopK)
+    powersgd = staticmethod(_lossy.PowerSGD)

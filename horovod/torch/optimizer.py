@@ -621,6 +621,17 @@ def DistributedOptimizer(
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
+    if getattr(compression, "exchange", False):
+        # int8 / top-k / PowerSGD: the compressor runs the exchange at synchronize()
+        from horovod.torch.compressed_optimizer import compressed_optimizer
+
+        if op not in (Average, F.Sum):
+            raise ValueError(
+                f"compression={type(compression).__name__} works with op=hvd.Average or hvd.Sum"
+            )
+        return compressed_optimizer(
+            optimizer, named_parameters, compression, op, backward_passes_per_step, process_set
+        )
     if op == Adasum and (process_set.size() or 1) > 1:
         # upstream's delta optimizer: Adasum of the parameters' changes after a local step
         from horovod.torch.adasum_optimizer import adasum_optimizer

@@ -186,7 +186,8 @@ def DistributedOptimizer(
     cls: Any = type(base.__name__, (base,), methods)
     new = cls.from_config(config)
     new._hvd_cfg = {
-        "compression": compression,
+        # (a lossy compressor keeps error-feedback state: one copy per optimizer)
+        "compression": compression.fresh() if hasattr(compression, "fresh") else compression,
         "sparse_as_dense": sparse_as_dense,
         "op": op,
         "predivide": gradient_predivide_factor,
