@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from horovod.common.blas import one_blas_thread
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.frontend.arguments import Average, Sum
 
@@ -347,21 +348,24 @@ class PowerSGD(ExchangeCompressor):
         rest = [i for i in range(len(xs)) if i not in shapes]
         ms = {i: xs[i].reshape(shapes[i]) for i in low}
         qs = {i: self._q(keys[i], shapes[i][1]) for i in low}
-        ps_ = [ms[i] @ qs[i] for i in low]
+        with one_blas_thread():
+            ps_ = [ms[i] @ qs[i] for i in low]
         first = _exact_sums(ps_ + [xs[i] for i in rest], ps, f"{name}.powersgd.p")
         out: list[np.ndarray | None] = [None] * len(xs)
         for i, total in zip(rest, first[len(low) :], strict=True):
             out[i] = total
         if not low:
             return out  # type: ignore[return-value]  # (every entry filled)
-        pmats = [_orthonormal(p / n) for p in first[: len(low)]]
-        qmats = [ms[i].T @ p for i, p in zip(low, pmats, strict=True)]
+        with one_blas_thread():
+            pmats = [_orthonormal(p / n) for p in first[: len(low)]]
+            qmats = [ms[i].T @ p for i, p in zip(low, pmats, strict=True)]
         second = _exact_sums(qmats, ps, f"{name}.powersgd.q")
-        for i, p, q_sum, q_local in zip(low, pmats, second, qmats, strict=True):
-            approx_sum = p @ q_sum.T  # the sum over ranks of their approximations
-            self.qs[keys[i]] = q_sum / n
-            self._keep(keys[i], (p @ q_local.T).reshape(-1), xs[i])
-            out[i] = approx_sum.reshape(-1)
+        with one_blas_thread():
+            for i, p, q_sum, q_local in zip(low, pmats, second, qmats, strict=True):
+                approx_sum = p @ q_sum.T  # the sum over ranks of their approximations
+                self.qs[keys[i]] = q_sum / n
+                self._keep(keys[i], (p @ q_local.T).reshape(-1), xs[i])
+                out[i] = approx_sum.reshape(-1)
         return out  # type: ignore[return-value]  # (every entry filled)
 
     def _q(self, key: str, cols: int) -> np.ndarray:
