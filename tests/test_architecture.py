@@ -40,6 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "runner": {"common", "rendezvous", "__version__"},
     # cluster engines as launchers: Ray actors, like the runner, never the training runtime
     "ray": {"common", "rendezvous", "runner"},
+    # the profiler: a job of its own through the PyTorch frontend
+    "profile": {"common", "torch"},
     # (torch, tensorflow, numpy: the estimators' training functions, in the Spark tasks)
     "spark": {"common", "rendezvous", "runner", "torch", "tensorflow", "numpy"},
     # tools on top: nothing in the runtime imports them (no layer above lists them)
