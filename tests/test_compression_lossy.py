@@ -226,3 +226,26 @@ def test_tensorflow_tape_and_keras_optimizer_take_the_lossy_compressors():
     r = run_script(TF_TRAIN, np_=2, timeout=180, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("lossy tf ok") == 2
+
+
+def test_the_timeline_shows_compression_time(tmp_path):
+    path = tmp_path / "timeline.json"
+
+    def body(rank):
+        for c, nm in ((Int8(), "a"), (TopK(0.1), "b"), (PowerSGD(rank=1), "c")):
+            hvd.allreduce(grads(rank, 0), name=nm, compression=c)
+        return True
+
+    run_ranks(body, 2, env={"HOROVOD_TIMELINE": str(path)})
+    text = path.read_text()
+    for span in (
+        "COMPRESS_INT8",
+        "DECOMPRESS_INT8",
+        "COMPRESS_TOPK",
+        "DECOMPRESS_TOPK",
+        "COMPRESS_POWERSGD_P",
+        "COMPRESS_POWERSGD_Q",
+        "DECOMPRESS_POWERSGD",
+    ):
+        assert f'"name":"{span}"' in text, span
+    assert '"name":"allreduce.a"' in text  # on the exchange's own row

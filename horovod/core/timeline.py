@@ -131,6 +131,7 @@ class Timeline:
         self.writer = TimelineWriter(path, int(wall() * 1e6))
         self.path = path
         self._pids: dict[str, int] = {}
+        self._pid_lock = threading.Lock()
         self._state: dict[str, str] = {}  # row -> "negotiating" | "op" | "activity"
         self._buf: list[str] = []
         # the response being executed: (op name, start ts, [(activity or None, ts), ...])
@@ -150,15 +151,38 @@ class Timeline:
     def _pid(self, row: str) -> int:
         pid = self._pids.get(row)
         if pid is None:
-            pid = self._pids[row] = len(self._pids) + 1
-            self._buf.append(
-                '{"name":"process_name","ph":"M","pid":%d,"args":{"name":%s}}' % (pid, _ESC(row))
-            )
-            self._buf.append(
-                '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}'
-                % (pid, pid)
-            )
+            pid, meta = self._new_pid(row)
+            self._buf.extend(meta)
         return pid
+
+    def _new_pid(self, row: str) -> tuple[int, list[str]]:
+        """(the row's pid, its metadata records if it is new). Rows are also made by ``span``
+        from framework threads."""
+        with self._pid_lock:
+            pid = self._pids.get(row)
+            if pid is not None:
+                return pid, []
+            pid = self._pids[row] = len(self._pids) + 1
+        return pid, [
+            '{"name":"process_name","ph":"M","pid":%d,"args":{"name":%s}}' % (pid, _ESC(row)),
+            '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}'
+            % (pid, pid),
+        ]
+
+    def span(self, row: str, name: str, t0: float, t1: float) -> None:
+        """A finished span of work done outside the engine (a compressor's encoding, on a
+        framework thread): ``t0``/``t1`` on this timeline's clock (``time.monotonic``). Its
+        records go straight to the writer (the engine thread owns the batch being built)."""
+        if self.closed:
+            return
+        pid, meta = self._new_pid(row)
+        self.writer.put(
+            meta
+            + [
+                '{"ph":"B","name":"%s","ts":%d,"pid":%d}' % (name, self._ts(t0), pid),
+                '{"ph":"E","ts":%d,"pid":%d}' % (self._ts(t1), pid),
+            ]
+        )
 
     # ----------------------------------------------------------------- negotiation
     def negotiate_start(self, row: str, op_name: str, t: float | None = None) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -144,6 +145,16 @@ class ExchangeCompressor:
         raise NotImplementedError
 
 
+def _span(row: str, what: str, t0: float) -> None:
+    """Show ``what`` (COMPRESS, DECOMPRESS) from ``t0`` until now on the timeline's ``row``."""
+    from horovod.core.context import current
+
+    ctx = current()
+    tl = getattr(ctx, "timeline", None) if ctx is not None else None
+    if tl is not None:
+        tl.span(row, what, t0, time.monotonic())
+
+
 def _allgather_bytes(payload: np.ndarray, ps: ProcessSet, name: str) -> list[np.ndarray]:
     """Every rank's ``payload`` (uint8; the same length on every rank), in rank order."""
     from horovod.frontend.collectives import allgather
@@ -205,15 +216,18 @@ class Int8(ExchangeCompressor):
         name: str,
     ) -> list[np.ndarray]:
         parts = []
+        t0 = time.monotonic()
         for x, key, ex in zip(xs, keys, exact, strict=True):
             if ex:
                 continue
             q, s = self.encode(x)
             self._keep(key, self.decode(q, s), x)
             parts += [q.view(np.uint8), s.view(np.uint8)]
+        _span(name, "COMPRESS_INT8", t0)
         out: list[np.ndarray | None] = [None] * len(xs)
         if parts:
             gathered = _allgather_bytes(np.concatenate(parts), ps, f"{name}.int8")
+            t0 = time.monotonic()
             sums = [np.zeros(x.size, np.float32) for x in xs]
             for blob in gathered:
                 off = 0
@@ -229,6 +243,7 @@ class Int8(ExchangeCompressor):
             for i, ex in enumerate(exact):
                 if not ex:
                     out[i] = sums[i]
+            _span(name, "DECOMPRESS_INT8", t0)
         exact_idx = [i for i, ex in enumerate(exact) if ex]
         for i, s in zip(
             exact_idx, _exact_sums([xs[i] for i in exact_idx], ps, f"{name}.exact"), strict=True
@@ -267,6 +282,7 @@ class TopK(ExchangeCompressor):
         name: str,
     ) -> list[np.ndarray]:
         parts = []
+        t0 = time.monotonic()
         for x, key, ex in zip(xs, keys, exact, strict=True):
             if ex:
                 continue
@@ -278,9 +294,11 @@ class TopK(ExchangeCompressor):
             sent[idx] = vals
             self._keep(key, sent, x)
             parts += [vals.view(np.uint8), idx.view(np.uint8)]
+        _span(name, "COMPRESS_TOPK", t0)
         out: list[np.ndarray | None] = [None] * len(xs)
         if parts:
             gathered = _allgather_bytes(np.concatenate(parts), ps, f"{name}.topk")
+            t0 = time.monotonic()
             sums = [np.zeros(x.size, np.float32) for x in xs]
             for blob in gathered:
                 off = 0
@@ -296,6 +314,7 @@ class TopK(ExchangeCompressor):
             for i, ex in enumerate(exact):
                 if not ex:
                     out[i] = sums[i]
+            _span(name, "DECOMPRESS_TOPK", t0)
         exact_idx = [i for i, ex in enumerate(exact) if ex]
         for i, s in zip(
             exact_idx, _exact_sums([xs[i] for i in exact_idx], ps, f"{name}.exact"), strict=True
@@ -348,24 +367,30 @@ class PowerSGD(ExchangeCompressor):
         rest = [i for i in range(len(xs)) if i not in shapes]
         ms = {i: xs[i].reshape(shapes[i]) for i in low}
         qs = {i: self._q(keys[i], shapes[i][1]) for i in low}
+        t0 = time.monotonic()
         with one_blas_thread():
             ps_ = [ms[i] @ qs[i] for i in low]
+        _span(name, "COMPRESS_POWERSGD_P", t0)
         first = _exact_sums(ps_ + [xs[i] for i in rest], ps, f"{name}.powersgd.p")
         out: list[np.ndarray | None] = [None] * len(xs)
         for i, total in zip(rest, first[len(low) :], strict=True):
             out[i] = total
         if not low:
             return out  # type: ignore[return-value]  # (every entry filled)
+        t0 = time.monotonic()
         with one_blas_thread():
             pmats = [_orthonormal(p / n) for p in first[: len(low)]]
             qmats = [ms[i].T @ p for i, p in zip(low, pmats, strict=True)]
+        _span(name, "COMPRESS_POWERSGD_Q", t0)
         second = _exact_sums(qmats, ps, f"{name}.powersgd.q")
+        t0 = time.monotonic()
         with one_blas_thread():
             for i, p, q_sum, q_local in zip(low, pmats, second, qmats, strict=True):
                 approx_sum = p @ q_sum.T  # the sum over ranks of their approximations
                 self.qs[keys[i]] = q_sum / n
                 self._keep(keys[i], (p @ q_local.T).reshape(-1), xs[i])
                 out[i] = approx_sum.reshape(-1)
+        _span(name, "DECOMPRESS_POWERSGD", t0)
         return out  # type: ignore[return-value]  # (every entry filled)
 
     def _q(self, key: str, cols: int) -> np.ndarray:
