@@ -262,3 +262,49 @@ def test_keras_callbacks_average_every_few_batches_and_at_the_end(module):
             )
     with pytest.raises(ValueError, match="LocalSGDCallback: sync_every must be an int >= 1"):
         hk.callbacks.LocalSGDCallback(sync_every=0)
+
+
+def test_adaptive_period_shrinks_with_the_ranks_average_loss():
+    """AdaComm: H = ceil(sqrt(L / L0) * H0), from the loss averaged over the ranks in the
+    sync's own allreduce (rank 0 reports 3x what rank 1 does: both pick the same H)."""
+    losses = {0: [6.0] * 8 + [1.5] * 8 + [0.06] * 4 + [0.06] * 2, 1: [2.0] * 8 + [0.5] * 8}
+    losses[1] += [0.02] * 6
+
+    def body(rank):
+        w = np.ones(3)
+        sync = hvd.LocalSGD([w], sync_every=8, adaptive=True)
+        synced_at = []
+        for step, loss in enumerate(losses[rank], start=1):
+            w -= 0.1 * (w - rank)
+            if sync.step(loss=loss):
+                synced_at.append(step)
+        return synced_at, sync.core.periods
+
+    for synced_at, periods in run_ranks(body, 2):
+        # L0 = 4 at step 8 (H stays 8); L = 1 at step 16: H = 4; L = 0.04 at 20: H = 1
+        assert periods == [8, 8, 4, 1, 1, 1]
+        assert synced_at == [8, 16, 20, 21, 22]
+
+
+@needs_torch
+def test_torch_adaptive_takes_the_closures_loss():
+    import horovod.torch as ht
+
+    def body(rank):
+        w = torch.nn.Parameter(torch.ones(2))
+        opt = ht.LocalSGD(torch.optim.SGD([w], lr=1e-4), sync_every=4, adaptive=True)
+        loss_scale = [100.0] * 4 + [1.0] * 4
+
+        for s in loss_scale:
+
+            def closure(s=s):
+                opt.zero_grad()
+                loss = s * ((w - rank) ** 2).sum()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        return opt._hvd_periodic.periods
+
+    for periods in run_ranks(body, 2):
+        assert periods[0] == 4 and periods[-1] < 4  # the loss fell 100x: syncs come sooner

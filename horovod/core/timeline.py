@@ -165,8 +165,7 @@ class Timeline:
             pid = self._pids[row] = len(self._pids) + 1
         return pid, [
             '{"name":"process_name","ph":"M","pid":%d,"args":{"name":%s}}' % (pid, _ESC(row)),
-            '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}'
-            % (pid, pid),
+            '{"name":"process_sort_index","ph":"M","pid":%d,"args":{"sort_index":%d}}' % (pid, pid),
         ]
 
     def span(self, row: str, name: str, t0: float, t1: float) -> None:

@@ -11,6 +11,13 @@ exports it as ``LocalSGD``/``DiLoCo``.
   (``outer_lr``, ``outer_momentum``) moves the global parameters, which every rank then takes.
   With ``outer_lr=1`` and ``outer_momentum=0`` it is Local SGD.
 
+**Adaptive period** (``adaptive=True``; AdaComm, Wang and Joshi, 2019): with losses reported
+between syncs (``report_loss``), the period shrinks as the loss falls,
+``H = max(1, ceil(sqrt(L / L0) * H0))``, where ``H0`` is ``sync_every``, ``L0`` the ranks'
+average loss at the first sync and ``L`` at the latest: few syncs early, when the loss is high
+and the models agree anyway; more as the loss approaches its floor. The loss travels in the
+sync's own allreduce, so every rank picks the same next period.
+
 Every rank computes the outer step from the same averaged values, so the ranks stay bitwise
 identical after each sync. The global parameters are taken at the first step (after the user's
 ``broadcast_parameters``), and the outer momentum lives in float64 beside them.
@@ -20,6 +27,7 @@ Must not touch: the optimizers (the frameworks' wrappers call ``after_step``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -55,10 +63,17 @@ class Periodic:
         process_set: ProcessSet = global_process_set,
         name: str = "local_sgd",
         what: str = "LocalSGD",
+        adaptive: bool = False,
     ) -> None:
         check_arguments(what, sync_every, outer_lr, outer_momentum)
         self.what = what
         self.sync_every = sync_every
+        self.initial_every = sync_every
+        self.adaptive = adaptive
+        self.since_sync = 0
+        self.losses: list[float] = []
+        self.first_loss: float | None = None
+        self.periods: list[int] = [sync_every]  # the period chosen at each sync
         self.outer_lr = outer_lr  # None: plain averaging (Local SGD)
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
@@ -75,17 +90,46 @@ class Periodic:
             self.global_params = [np.array(p, dtype=np.float64) for p in params]
             self.momentum = [np.zeros(p.shape, np.float64) for p in params]
 
+    def count_step(self) -> bool:
+        """Count a local step; True when a sync is due now."""
+        self.steps += 1
+        self.since_sync += 1
+        return self.since_sync >= self.sync_every
+
+    def report_loss(self, value: float) -> None:
+        """A training loss seen since the last sync (for ``adaptive``)."""
+        v = float(value)
+        if math.isfinite(v):
+            self.losses.append(v)
+
     def after_step(self, params: Sequence[np.ndarray]) -> bool:
         """Count a local step; sync ``params`` (in place) when one is due. True if it synced."""
-        self.steps += 1
-        if self.steps % self.sync_every:
+        if not self.count_step():
             return False
         self.sync(params)
         return True
 
+    def _adapt(self, loss: np.ndarray) -> None:
+        """AdaComm's next period from the ranks' average loss (module docstring)."""
+        if loss[1] <= 0:
+            return
+        mean = float(loss[0] / loss[1])
+        if self.first_loss is None:
+            self.first_loss = mean
+        elif self.first_loss > 0 and mean >= 0:
+            ratio = math.sqrt(mean / self.first_loss)
+            self.sync_every = max(1, min(self.initial_every, math.ceil(ratio * self.initial_every)))
+        self.periods.append(self.sync_every)
+
     def sync(self, params: Sequence[np.ndarray]) -> None:
         """Average ``params`` over the ranks now (DiLoCo: and take the outer step)."""
         arrays = [p for p in params if p.size]
+        self.since_sync = 0
+        loss = None
+        if self.adaptive:  # (loss sum, count) travel with the parameters
+            loss = np.array([sum(self.losses), len(self.losses)], np.float64)
+            self.losses.clear()
+            arrays.append(loss)
         if not arrays:
             return
         grouped_allreduce_(
@@ -95,6 +139,8 @@ class Periodic:
             process_set=self.process_set,
         )
         self.syncs += 1
+        if loss is not None:
+            self._adapt(loss)
         if self.outer_lr is None:
             return
         if self.global_params is None:
@@ -120,12 +166,18 @@ class LocalSGD:
         params: Sequence[np.ndarray],
         sync_every: int,
         process_set: ProcessSet = global_process_set,
+        adaptive: bool = False,
     ) -> None:
         self.params = _arrays(params, "LocalSGD")
-        self.core = Periodic(sync_every, process_set=process_set, what="LocalSGD")
+        self.core = Periodic(
+            sync_every, process_set=process_set, what="LocalSGD", adaptive=adaptive
+        )
 
-    def step(self) -> bool:
-        """One local step was taken; True if the parameters were synced now."""
+    def step(self, loss: float | None = None) -> bool:
+        """One local step was taken (``loss``: its training loss, for ``adaptive``); True if
+        the parameters were synced now."""
+        if loss is not None:
+            self.core.report_loss(loss)
         return self.core.after_step(self.params)
 
     def sync(self) -> None:
@@ -145,6 +197,7 @@ class DiLoCo(LocalSGD):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         process_set: ProcessSet = global_process_set,
+        adaptive: bool = False,
     ) -> None:
         self.params = _arrays(params, "DiLoCo")
         self.core = Periodic(
@@ -155,6 +208,7 @@ class DiLoCo(LocalSGD):
             process_set=process_set,
             name="diloco",
             what="DiLoCo",
+            adaptive=adaptive,
         )
         self.core.before_step(self.params)
 

@@ -227,7 +227,9 @@ def build(
         ranks every ``sync_every`` batches and at the end of training. Put it after
         ``BroadcastGlobalVariablesCallback``."""
 
-        def __init__(self, sync_every: int, process_set: Any = None, **outer: Any) -> None:
+        def __init__(
+            self, sync_every: int, process_set: Any = None, adaptive: bool = False, **outer: Any
+        ) -> None:
             super().__init__()
             from horovod.common.process_sets import global_process_set
             from horovod.frontend.local_sgd import Periodic
@@ -238,6 +240,7 @@ def build(
                 process_set=process_set or global_process_set,
                 name=f"{kind}Callback",
                 what=f"{kind}Callback",
+                adaptive=adaptive,
                 **outer,
             )
 
@@ -255,12 +258,13 @@ def build(
                 self.core.before_step(self._arrays())
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self.core.steps += 1
-            if self.core.steps % self.core.sync_every == 0:
+            if self.core.adaptive and logs and "loss" in logs:
+                self.core.report_loss(float(logs["loss"]))
+            if self.core.count_step():
                 self._sync()
 
         def on_train_end(self, logs: Any = None) -> None:
-            if self.core.steps % self.core.sync_every:
+            if self.core.since_sync:
                 self._sync()  # end with the same weights on every rank
 
     class DiLoCoCallback(LocalSGDCallback):
@@ -274,10 +278,12 @@ def build(
             outer_momentum: float = 0.9,
             nesterov: bool = True,
             process_set: Any = None,
+            adaptive: bool = False,
         ) -> None:
             super().__init__(
                 sync_every,
                 process_set,
+                adaptive,
                 outer_lr=outer_lr,
                 outer_momentum=outer_momentum,
                 nesterov=nesterov,

@@ -29,6 +29,7 @@ class LocalSGD:
         variables: Iterable[Any],
         sync_every: int,
         process_set: ProcessSet = global_process_set,
+        adaptive: bool = False,
         **outer: Any,
     ) -> None:
         self.variables = list(variables)
@@ -43,16 +44,19 @@ class LocalSGD:
             process_set=process_set,
             name=self._what.lower(),
             what=self._what,
+            adaptive=adaptive,
             **outer,
         )
 
     def _arrays(self) -> list[np.ndarray]:
         return [np.array(v.numpy(), copy=True) for v in self.variables]
 
-    def step(self) -> bool:
-        """One local step was applied; True if the variables were synced now."""
-        self.core.steps += 1
-        if self.core.steps % self.core.sync_every:
+    def step(self, loss: Any = None) -> bool:
+        """One local step was applied (``loss``: its training loss, for ``adaptive``); True
+        if the variables were synced now."""
+        if loss is not None:
+            self.core.report_loss(float(loss))
+        if not self.core.count_step():
             return False
         self.sync()
         return True
@@ -79,11 +83,13 @@ class DiLoCo(LocalSGD):
         outer_momentum: float = 0.9,
         nesterov: bool = True,
         process_set: ProcessSet = global_process_set,
+        adaptive: bool = False,
     ) -> None:
         super().__init__(
             variables,
             sync_every,
             process_set,
+            adaptive,
             outer_lr=outer_lr,
             outer_momentum=outer_momentum,
             nesterov=nesterov,

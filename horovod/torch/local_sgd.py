@@ -62,10 +62,16 @@ class _PeriodicOptimizer(torch.optim.Optimizer):
             arrays, _ = _views(self._hvd_params())
             core.before_step(arrays)
         loss = super(self.__class__, self).step(closure)  # type: ignore[misc]
-        core.steps += 1
-        if core.steps % core.sync_every == 0:
+        if loss is not None and core.adaptive:
+            core.report_loss(float(loss.detach() if hasattr(loss, "detach") else loss))
+        if core.count_step():
             self.sync()
         return loss
+
+    def report_loss(self, loss: Any) -> None:
+        """This step's training loss (a number or a one-element tensor), for ``adaptive``;
+        a ``step(closure)`` reports the closure's loss itself."""
+        self._hvd_periodic.report_loss(float(loss.detach() if hasattr(loss, "detach") else loss))
 
     def sync(self) -> None:
         """Average the parameters over the ranks now (DiLoCo: and take the outer step)."""
@@ -91,9 +97,12 @@ def LocalSGD(  # noqa: N802 - a class-like factory, as DistributedOptimizer
     optimizer: torch.optim.Optimizer,
     sync_every: int,
     process_set: ProcessSet = global_process_set,
+    adaptive: bool = False,
 ) -> torch.optim.Optimizer:
-    """``optimizer`` taking ``sync_every`` local steps between parameter averages."""
-    return _wrap(optimizer, Periodic(sync_every, process_set=process_set, what="LocalSGD"))
+    """``optimizer`` taking ``sync_every`` local steps between parameter averages
+    (``adaptive``: fewer as the reported loss falls, ``horovod.frontend.local_sgd``)."""
+    core = Periodic(sync_every, process_set=process_set, what="LocalSGD", adaptive=adaptive)
+    return _wrap(optimizer, core)
 
 
 def DiLoCo(  # noqa: N802
@@ -103,6 +112,7 @@ def DiLoCo(  # noqa: N802
     outer_momentum: float = 0.9,
     nesterov: bool = True,
     process_set: ProcessSet = global_process_set,
+    adaptive: bool = False,
 ) -> torch.optim.Optimizer:
     """``optimizer`` as DiLoCo's inner optimizer: ``sync_every`` local steps, then an outer
     Nesterov step (``outer_lr``, ``outer_momentum``) on the ranks' averaged change."""
@@ -114,5 +124,6 @@ def DiLoCo(  # noqa: N802
         process_set=process_set,
         name="diloco",
         what="DiLoCo",
+        adaptive=adaptive,
     )
     return _wrap(optimizer, core)
