@@ -58,9 +58,9 @@ def test_error_feedback_loses_nothing_only_delays_it(make, size):
 def test_int8_rounds_within_half_a_step_per_bucket():
     c = Int8(bucket=8)
     x = np.random.default_rng(0).standard_normal(30).astype(np.float32) * 5
-    q, s = c.encode(x)
+    q, s = c.quantize(x)
     assert q.dtype == np.int8 and s.size == 4 and np.abs(q).max() == 127
-    err = np.abs(c.decode(q, s) - x)
+    err = np.abs(c.dequantize(q, s) - x)
     bound = np.repeat(s, 8)[:30] / 2 + 1e-6
     assert (err <= bound).all()
 

@@ -172,7 +172,62 @@ def _exact_sums(xs: list[np.ndarray], ps: ProcessSet, name: str) -> list[np.ndar
     return grouped_allreduce(xs, op=Sum, name=name, process_set=ps)
 
 
-class Int8(ExchangeCompressor):
+class Gathered(ExchangeCompressor):
+    """A compressor whose encoded tensors are allgathered and decoded by every rank: it
+    gives ``encode`` (one tensor to byte arrays, keeping its residual), ``payload`` (bytes of
+    one encoded tensor) and ``add_decoded`` (add one rank's encoded tensor into a sum)."""
+
+    def encode(self, x: np.ndarray, key: str) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def payload(self, size: int) -> int:
+        raise NotImplementedError
+
+    def add_decoded(self, blob: np.ndarray, size: int, into: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _exchange(
+        self,
+        xs: list[np.ndarray],
+        keys: list[str],
+        exact: list[bool],
+        n: int,
+        ps: ProcessSet,
+        name: str,
+    ) -> list[np.ndarray]:
+        tag = self.kind.upper()
+        t0 = time.monotonic()
+        parts = [
+            part
+            for x, key, ex in zip(xs, keys, exact, strict=True)
+            if not ex
+            for part in self.encode(x, key)
+        ]
+        _span(name, f"COMPRESS_{tag}", t0)
+        out: list[np.ndarray | None] = [None] * len(xs)
+        if parts:
+            gathered = _allgather_bytes(np.concatenate(parts), ps, f"{name}.{self.kind}")
+            t0 = time.monotonic()
+            for i, (x, ex) in enumerate(zip(xs, exact, strict=True)):
+                if not ex:
+                    out[i] = np.zeros(x.size, np.float32)
+            for blob in gathered:  # every rank decodes the same bytes in rank order
+                off = 0
+                for x, ex, total in zip(xs, exact, out, strict=True):
+                    if ex:
+                        continue
+                    size = self.payload(x.size)
+                    self.add_decoded(blob[off : off + size], x.size, total)  # type: ignore[arg-type]
+                    off += size
+            _span(name, f"DECOMPRESS_{tag}", t0)
+        exact_idx = [i for i, ex in enumerate(exact) if ex]
+        sums = _exact_sums([xs[i] for i in exact_idx], ps, f"{name}.exact")
+        for i, total in zip(exact_idx, sums, strict=True):
+            out[i] = total
+        return out  # type: ignore[return-value]  # (every entry filled)
+
+
+class Int8(Gathered):
     """int8 values with a float32 scale per bucket of ``bucket`` elements (module docstring)."""
 
     kind = "int8"
@@ -189,7 +244,7 @@ class Int8(ExchangeCompressor):
     def fresh(self) -> Int8:
         return Int8(**self.settings())
 
-    def encode(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def quantize(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(int8 values, float32 scale per bucket)."""
         nb = -(-x.size // self.bucket)
         padded = np.zeros(nb * self.bucket, np.float32)
@@ -200,59 +255,25 @@ class Int8(ExchangeCompressor):
         q = np.rint(blocks / scales[:, None]).astype(np.int8)
         return q.reshape(-1)[: x.size], scales
 
-    def decode(self, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    def dequantize(self, q: np.ndarray, scales: np.ndarray) -> np.ndarray:
         nb = scales.size
         padded = np.zeros(nb * self.bucket, np.float32)
         padded[: q.size] = q
         return (padded.reshape(nb, self.bucket) * scales[:, None]).reshape(-1)[: q.size]
 
-    def _exchange(
-        self,
-        xs: list[np.ndarray],
-        keys: list[str],
-        exact: list[bool],
-        n: int,
-        ps: ProcessSet,
-        name: str,
-    ) -> list[np.ndarray]:
-        parts = []
-        t0 = time.monotonic()
-        for x, key, ex in zip(xs, keys, exact, strict=True):
-            if ex:
-                continue
-            q, s = self.encode(x)
-            self._keep(key, self.decode(q, s), x)
-            parts += [q.view(np.uint8), s.view(np.uint8)]
-        _span(name, "COMPRESS_INT8", t0)
-        out: list[np.ndarray | None] = [None] * len(xs)
-        if parts:
-            gathered = _allgather_bytes(np.concatenate(parts), ps, f"{name}.int8")
-            t0 = time.monotonic()
-            sums = [np.zeros(x.size, np.float32) for x in xs]
-            for blob in gathered:
-                off = 0
-                for i, (x, ex) in enumerate(zip(xs, exact, strict=True)):
-                    if ex:
-                        continue
-                    nb = -(-x.size // self.bucket)
-                    q = blob[off : off + x.size].view(np.int8)
-                    off += x.size
-                    s = blob[off : off + 4 * nb].view(np.float32)
-                    off += 4 * nb
-                    sums[i] += self.decode(q, s)
-            for i, ex in enumerate(exact):
-                if not ex:
-                    out[i] = sums[i]
-            _span(name, "DECOMPRESS_INT8", t0)
-        exact_idx = [i for i, ex in enumerate(exact) if ex]
-        for i, s in zip(
-            exact_idx, _exact_sums([xs[i] for i in exact_idx], ps, f"{name}.exact"), strict=True
-        ):
-            out[i] = s
-        return out  # type: ignore[return-value]  # (every entry filled)
+    def encode(self, x: np.ndarray, key: str) -> list[np.ndarray]:
+        q, scales = self.quantize(x)
+        self._keep(key, self.dequantize(q, scales), x)
+        return [q.view(np.uint8), scales.view(np.uint8)]
+
+    def payload(self, size: int) -> int:
+        return size + 4 * -(-size // self.bucket)
+
+    def add_decoded(self, blob: np.ndarray, size: int, into: np.ndarray) -> None:
+        into += self.dequantize(blob[:size].view(np.int8), blob[size:].view(np.float32))
 
 
-class TopK(ExchangeCompressor):
+class TopK(Gathered):
     """The largest ``ratio`` of each tensor's entries, as values and indices (docstring)."""
 
     kind = "topk"
@@ -272,55 +293,22 @@ class TopK(ExchangeCompressor):
     def k(self, size: int) -> int:
         return min(size, max(1, math.ceil(self.ratio * size))) if size else 0
 
-    def _exchange(
-        self,
-        xs: list[np.ndarray],
-        keys: list[str],
-        exact: list[bool],
-        n: int,
-        ps: ProcessSet,
-        name: str,
-    ) -> list[np.ndarray]:
-        parts = []
-        t0 = time.monotonic()
-        for x, key, ex in zip(xs, keys, exact, strict=True):
-            if ex:
-                continue
-            k = self.k(x.size)
-            idx = np.argpartition(np.abs(x), x.size - k)[x.size - k :] if k else np.zeros(0, int)
-            idx = np.sort(idx).astype(np.int32)
-            vals = x[idx].astype(np.float32)
-            sent = np.zeros_like(x)
-            sent[idx] = vals
-            self._keep(key, sent, x)
-            parts += [vals.view(np.uint8), idx.view(np.uint8)]
-        _span(name, "COMPRESS_TOPK", t0)
-        out: list[np.ndarray | None] = [None] * len(xs)
-        if parts:
-            gathered = _allgather_bytes(np.concatenate(parts), ps, f"{name}.topk")
-            t0 = time.monotonic()
-            sums = [np.zeros(x.size, np.float32) for x in xs]
-            for blob in gathered:
-                off = 0
-                for i, (x, ex) in enumerate(zip(xs, exact, strict=True)):
-                    if ex:
-                        continue
-                    k = self.k(x.size)
-                    vals = blob[off : off + 4 * k].view(np.float32)
-                    off += 4 * k
-                    idx = blob[off : off + 4 * k].view(np.int32)
-                    off += 4 * k
-                    sums[i][idx] += vals  # a rank's indices are distinct
-            for i, ex in enumerate(exact):
-                if not ex:
-                    out[i] = sums[i]
-            _span(name, "DECOMPRESS_TOPK", t0)
-        exact_idx = [i for i, ex in enumerate(exact) if ex]
-        for i, s in zip(
-            exact_idx, _exact_sums([xs[i] for i in exact_idx], ps, f"{name}.exact"), strict=True
-        ):
-            out[i] = s
-        return out  # type: ignore[return-value]  # (every entry filled)
+    def encode(self, x: np.ndarray, key: str) -> list[np.ndarray]:
+        k = self.k(x.size)
+        idx = np.argpartition(np.abs(x), x.size - k)[x.size - k :] if k else np.zeros(0, int)
+        idx = np.sort(idx).astype(np.int32)
+        vals = x[idx].astype(np.float32)
+        sent = np.zeros_like(x)
+        sent[idx] = vals
+        self._keep(key, sent, x)
+        return [vals.view(np.uint8), idx.view(np.uint8)]
+
+    def payload(self, size: int) -> int:
+        return 8 * self.k(size)
+
+    def add_decoded(self, blob: np.ndarray, size: int, into: np.ndarray) -> None:
+        half = blob.size // 2
+        into[blob[half:].view(np.int32)] += blob[:half].view(np.float32)  # distinct indices
 
 
 class PowerSGD(ExchangeCompressor):
