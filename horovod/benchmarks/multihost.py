@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -76,22 +75,7 @@ def main() -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     try:
-        shaped = f"link {a.rate}, {a.delay} each way (tc netem)"
-        for h in net.hosts:
-            netem = "tc qdisc add dev eth0 root netem delay".split() + [a.delay, "rate", a.rate]
-            r = subprocess.run(net.command(h, netem), capture_output=True, text=True)
-            if r.returncode != 0 and "unknown" in r.stderr:
-                # Kernels without sch_netem (e.g. some VMs): shape the rate with a token bucket
-                # and say that the delay is the veth's own.
-                tbf = "tc qdisc add dev eth0 root tbf rate".split() + [a.rate]
-                tbf += "burst 256kb latency 50ms".split()
-                subprocess.run(net.command(h, tbf), check=True)
-                shaped = (
-                    f"link {a.rate} (tc tbf; this kernel has no netem, so no added delay: "
-                    "the veth's own, ~20 us)"
-                )
-            elif r.returncode != 0:
-                raise RuntimeError(f"tc failed: {r.stderr}")
+        shaped = "link " + net.shape(a.rate, a.delay)
         results = {}
         for mode, flags in (
             ("flat", []),

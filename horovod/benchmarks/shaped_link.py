@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -101,22 +100,6 @@ WORKER = """
 """
 
 
-def shape(net: TestNetwork, rate: str, delay: str) -> str:
-    """Shape every host's link; returns what was applied (netem, or tbf without netem)."""
-    shaped = f"{rate}, {delay} each way (tc netem)"
-    for h in net.hosts:
-        netem = "tc qdisc add dev eth0 root netem delay".split() + [delay, "rate", rate]
-        r = subprocess.run(net.command(h, netem), capture_output=True, text=True)
-        if r.returncode != 0 and "unknown" in r.stderr.lower():
-            tbf = "tc qdisc add dev eth0 root tbf rate".split() + [rate]
-            tbf += "burst 256kb latency 50ms".split()
-            subprocess.run(net.command(h, tbf), check=True)
-            shaped = f"{rate} (tc tbf: this kernel has no netem, so no added delay)"
-        elif r.returncode != 0:
-            raise RuntimeError(f"tc failed: {r.stderr}")
-    return shaped
-
-
 def link_bytes(net: TestNetwork) -> int:
     total = 0
     for h in net.hosts:
@@ -149,7 +132,7 @@ def main() -> int:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     results: dict[str, dict] = {}
     try:
-        shaped = shape(net, a.rate, a.delay)
+        shaped = net.shape(a.rate, a.delay)
         for method in methods:
             before = link_bytes(net)
             r = net.exec(

@@ -25,7 +25,6 @@ Must not touch: the training runtime (actors import it, through the user's funct
 
 from __future__ import annotations
 
-import collections
 import queue
 import re
 import secrets
@@ -34,7 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -47,6 +46,7 @@ from horovod.ray.worker import BaseHorovodWorker
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.launch import set_worker_defaults
+from horovod.runner.elastic.workers import EngineWorker
 from horovod.runner.hosts import HostInfo
 
 TAIL_LINES = 20
@@ -86,21 +86,10 @@ class RayHostDiscovery:
 
 
 @dataclass
-class ActorWorker:
+class ActorWorker(EngineWorker):
     """The driver's handle of one worker running in an actor."""
 
-    rank: int
-    host: str
-    actor: Any
-    remote: bool = True
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    exit_code: int | None = None
-    exit_time: float = 0.0
-    why: str = ""
-    result: Any = None
-    stopped_by_us: bool = False
-    stop_time: float = 0.0
-    threads: list[threading.Thread] = field(default_factory=list)
+    actor: Any = None
 
 
 class ActorLauncher:
@@ -129,7 +118,7 @@ class ActorLauncher:
             max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=host, soft=False),
         ).remote(world_rank=rank, world_size=0)
-        w = ActorWorker(rank, host, actor)
+        w = ActorWorker(rank, host, actor=actor)
         ref = actor.run_elastic.remote(self.fn, self.args, self.kwargs, {**self.base_env, **env})
 
         def wait() -> None:

@@ -26,7 +26,6 @@ Must not touch: the training runtime in the driver (it imports no framework).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import pickle
 import queue
@@ -47,9 +46,10 @@ from horovod.common.shm_names import cleanup_job
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.launch import set_worker_defaults
+from horovod.runner.elastic.workers import EngineWorker
 from horovod.runner.hosts import HostInfo
 from horovod.spark.agent import SCOPE, agent_body
-from horovod.spark.runner import _driver_address, spark_context
+from horovod.spark.runner import _driver_address, job_environment, spark_context
 
 AGENT_LOST_S = 10.0
 AGENTS_STOP_S = 10.0
@@ -114,22 +114,11 @@ class AgentDiscovery:
 
 
 @dataclass
-class TaskWorker:
+class TaskWorker(EngineWorker):
     """The driver's handle of one worker run by an agent."""
 
-    rank: int
-    host: str
-    wid: str
-    agent: Agent
-    remote: bool = True
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
-    exit_code: int | None = None
-    exit_time: float = 0.0
-    why: str = ""
-    result: Any = None
-    stopped_by_us: bool = False
-    stop_time: float = 0.0
-    threads: list[threading.Thread] = field(default_factory=list)
+    wid: str = ""
+    agent: Agent = field(default_factory=lambda: Agent(-1, 0, "", 0, 0.0))
 
 
 class AgentLauncher:
@@ -153,7 +142,7 @@ class AgentLauncher:
         with self.lock:
             idle = [a for a in self.book.live() if a.host == host and a.part not in self.running]
             agent = idle[0] if idle else None
-            w = TaskWorker(rank, host, wid, agent or Agent(-1, 0, host, 0, 0.0))
+            w = TaskWorker(rank, host, wid=wid, agent=agent or Agent(-1, 0, host, 0, 0.0))
             self.started.append(w)
             if agent is None:  # the slot's agent went away meanwhile: a lost worker
                 self._ended(w, 1, f"found no idle Spark task on {host} to run it")
@@ -251,18 +240,7 @@ def run_elastic(
     secret = make_secret()
     addr, listen = _driver_address(sc)
     server = RendezvousServer(bytes.fromhex(secret), host=listen).start()
-    job_env = {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
-        "HOROVOD_SECRET_KEY": secret,
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_RENDEZVOUS_SCOPE": f"spark-{secrets.token_hex(6)}",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if nics:
-        job_env["HOROVOD_GLOO_IFACE"] = nics if isinstance(nics, str) else ",".join(sorted(nics))
-    job_env.update(env or {})
+    job_env = job_environment(addr, server.port, secret, nics, env)
     timeout = setting("elastic_timeout", job_env) if elastic_timeout is None else elastic_timeout
     start_s = setting("spark_start_timeout") if start_timeout is None else start_timeout
     leave_timeout = set_worker_defaults(job_env, timeout)

@@ -68,6 +68,26 @@ def _driver_address(sc: Any) -> tuple[str, str]:
     return addr, "0.0.0.0"
 
 
+def job_environment(
+    addr: str, port: int, secret: str, nics: Any, env: Mapping[str, str] | None
+) -> dict[str, str]:
+    """What every task of a job gets: the driver's store, the job's key and scope, Gloo."""
+    job_env = {
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_SECRET_KEY": secret,
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        # Spark reuses its Python workers: the job names its own scope in the store
+        "HOROVOD_RENDEZVOUS_SCOPE": f"spark-{secrets.token_hex(6)}",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if nics:
+        job_env["HOROVOD_GLOO_IFACE"] = nics if isinstance(nics, str) else ",".join(sorted(nics))
+    job_env.update(env or {})
+    return job_env
+
+
 def run(
     fn: Callable[..., Any],
     args: tuple = (),
@@ -110,20 +130,8 @@ def run(
     secret = make_secret()
     addr, listen = _driver_address(sc)
     server = RendezvousServer(bytes.fromhex(secret), host=listen).start()
-    job_env = {
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": addr,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(server.port),
-        "HOROVOD_SECRET_KEY": secret,
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_START_TIMEOUT": str(int(timeout)),
-        # Spark reuses its Python workers: the job names its own scope in the store
-        "HOROVOD_RENDEZVOUS_SCOPE": f"spark-{secrets.token_hex(6)}",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if nics:
-        job_env["HOROVOD_GLOO_IFACE"] = nics if isinstance(nics, str) else ",".join(sorted(nics))
-    job_env.update(env or {})
+    job_env = job_environment(addr, server.port, secret, nics, env)
+    job_env["HOROVOD_START_TIMEOUT"] = str(int(timeout))
     payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))
     task = _task(payload, job_env, n)
     try:

@@ -168,6 +168,22 @@ class TestNetwork:
     def exec(self, host: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(host, argv), capture_output=True, text=True, **kw)
 
+    def shape(self, rate: str, delay: str) -> str:
+        """Limit every host's link (``tc netem`` rate and delay each way; without netem, as on
+        some VM kernels, a ``tbf`` rate and no added delay); returns what was applied."""
+        shaped = f"{rate}, {delay} each way (tc netem)"
+        for h in self.hosts:
+            netem = "tc qdisc add dev eth0 root netem delay".split() + [delay, "rate", rate]
+            r = self.exec(h, netem)
+            if r.returncode != 0 and "unknown" in r.stderr.lower():
+                tbf = "tc qdisc add dev eth0 root tbf rate".split() + [rate]
+                tbf += "burst 256kb latency 50ms".split()
+                subprocess.run(self.command(h, tbf), check=True)
+                shaped = f"{rate} (tc tbf: this kernel has no netem, so no added delay)"
+            elif r.returncode != 0:
+                raise RuntimeError(f"tc failed on {h}: {r.stderr}")
+        return shaped
+
     def link(self, host: str, up: bool) -> None:
         i = self.hosts.index(host)
         _ip(

@@ -17,9 +17,12 @@ Must not touch: the driver's decisions (rounds, blacklist).
 
 from __future__ import annotations
 
+import collections
 import queue
 import signal
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from horovod.runner.procs import Command, OutputSink, exit_description, spawn, stop_workers
@@ -37,6 +40,24 @@ class Launcher(Protocol):
 
     def close(self) -> None:
         """After the job: release what the launcher holds."""
+
+
+@dataclass
+class EngineWorker:
+    """A handle of a worker run by a cluster engine (a Ray actor, a process in a Spark task):
+    the driver's fields, and ``why`` it failed and its ``result`` when it returned."""
+
+    rank: int
+    host: str
+    remote: bool = True
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=20))
+    exit_code: int | None = None
+    exit_time: float = 0.0
+    why: str = ""
+    result: Any = None
+    stopped_by_us: bool = False
+    stop_time: float = 0.0
+    threads: list[threading.Thread] = field(default_factory=list)
 
 
 class ProcessLauncher:
