@@ -249,3 +249,44 @@ def test_the_timeline_shows_compression_time(tmp_path):
     ):
         assert f'"name":"{span}"' in text, span
     assert '"name":"allreduce.a"' in text  # on the exchange's own row
+
+
+KERAS3 = textwrap.dedent(
+    """
+    import numpy as np, keras
+    import horovod.keras as hvd
+
+    hvd.init()
+    if keras.backend.backend() == "jax":
+        try:
+            hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.int8)
+        except ValueError as e:
+            assert "JAX backend" in str(e), e
+            print("jax refused", flush=True)
+        raise SystemExit(0)
+    keras.utils.set_random_seed(hvd.rank())
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.02), compression=hvd.Compression.int8)
+    model.compile(opt, loss="mse")
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(64, 6)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    h = model.fit(x, y, epochs=12, batch_size=16, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    assert h.history["loss"][-1] < 0.5 * h.history["loss"][0], h.history["loss"]
+    digest = hvd.allgather(np.array([sum(float(np.sum(w)) for w in model.get_weights())]))
+    assert len(set(np.asarray(digest).tolist())) == 1, digest
+    print("keras3 int8 ok", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_keras3_takes_the_compressors_where_it_can(backend):
+    needs = ["keras", backend] + (["torch"] if backend == "torch" else [])
+    if any(importlib.util.find_spec(m) is None for m in needs):
+        pytest.skip(f"needs keras and {backend}")
+    r = run_script(KERAS3, np_=2, timeout=240, env={"KERAS_BACKEND": backend})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    want = "keras3 int8 ok" if backend == "torch" else "jax refused"
+    assert r.stdout.count(want) == 2
