@@ -48,6 +48,7 @@ from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.launch import set_worker_defaults
 from horovod.runner.elastic.workers import EngineWorker
 from horovod.runner.hosts import HostInfo
+from horovod.runner.procs import exit_description
 from horovod.spark.agent import SCOPE, agent_body
 from horovod.spark.runner import _driver_address, job_environment, spark_context
 
@@ -172,7 +173,7 @@ class AgentLauncher:
                         w.tail.extend(tail.splitlines())
                         del self.running[part]
                         code = int(code_text)
-                        self._ended(w, code, describe_exit(code))
+                        self._ended(w, code, exit_description(code))
                     elif (part, w.agent.attempt) not in live or self.stage_error is not None:
                         del self.running[part]
                         why = self.stage_error or f"no heartbeat for {AGENT_LOST_S:g} s"
@@ -194,12 +195,6 @@ class AgentLauncher:
             time.sleep(POLL_S)
         self._stop.set()
         self.watcher.join(5)
-
-
-def describe_exit(code: int) -> str:
-    if code > 128 and code - 128 in signal.Signals._value2member_map_:
-        return f"was killed by {signal.Signals(code - 128).name}"
-    return f"exited with code {code}"
 
 
 def run_elastic(

@@ -5,11 +5,11 @@ PyTorch: gradients exchanged through a lossy compressor with error feedback
 These compressors run their own exchange over all of a step's gradients (PowerSGD needs every
 matrix's P before any Q), so the exchange happens at ``synchronize()`` (called by ``step()``),
 not from gradient hooks: communication does not overlap the backward pass, and the bytes sent
-are what shrinks. Gradients accumulated in ``.grad`` over several backward passes are
-exchanged once, at ``step()``, as upstream reduces the accumulated gradient. Each optimizer
-gets its own compressor state
-(residuals per parameter name); ``synchronize()`` then ``with skip_synchronize(): step()``
-works as upstream (for gradient clipping).
+are what shrinks. Gradients accumulated in ``.grad`` over several backward passes
+(``backward_passes_per_step``) are exchanged once, at ``step()``, as upstream reduces the
+accumulated gradient. Each optimizer gets its own compressor state (residuals per parameter
+name); ``synchronize()`` then ``with skip_synchronize(): step()`` works as upstream (for
+gradient clipping).
 
 Must not touch: the hook-driven optimizer (``horovod.torch.optimizer``).
 """
@@ -33,14 +33,12 @@ class _CompressedOptimizer(torch.optim.Optimizer):
         names: dict[int, str],
         compressor: Any,
         op: int,
-        passes: int,
         process_set: ProcessSet,
     ) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
         self._hvd_names = names
         self._hvd_compressor = compressor
         self._hvd_op = op
-        self._hvd_passes = passes
         self._hvd_synced = False
         self._hvd_skip = False
         self._hvd_set = process_set
@@ -87,7 +85,6 @@ def compressed_optimizer(
     named_parameters: Any,
     compressor: Any,
     op: int,
-    backward_passes_per_step: int,
     process_set: ProcessSet,
 ) -> torch.optim.Optimizer:
     """``optimizer`` exchanging its gradients through ``compressor`` (a fresh copy of it)."""
@@ -111,6 +108,5 @@ def compressed_optimizer(
         names,
         compressor.fresh(),
         op,
-        backward_passes_per_step,
         process_set,
     )

@@ -629,9 +629,7 @@ def DistributedOptimizer(
             raise ValueError(
                 f"compression={type(compression).__name__} works with op=hvd.Average or hvd.Sum"
             )
-        return compressed_optimizer(
-            optimizer, named_parameters, compression, op, backward_passes_per_step, process_set
-        )
+        return compressed_optimizer(optimizer, named_parameters, compression, op, process_set)
     if op == Adasum and (process_set.size() or 1) > 1:
         # upstream's delta optimizer: Adasum of the parameters' changes after a local step
         from horovod.torch.adasum_optimizer import adasum_optimizer
