@@ -5,7 +5,8 @@ link with ``tc`` (default 100 Mbit/s and 2 ms each way), and trains the same PyT
 MLP on scikit-learn's digits, hidden layers wide enough that a gradient is ~1.2 MB) with
 ``horovodrun -np 2 -H hostA:1,hostB:1`` once per method, the same epochs and seed each:
 
-    none, fp16, int8, topk (2%, 10 exact steps), powersgd (rank 4), localsgd (H=8),
+    none, priority (PriorityDistributedOptimizer), fp16, int8, topk (2%, 10 exact steps),
+    powersgd (rank 4), localsgd (H=8),
     diloco (H=8, outer lr 0.7, outer momentum 0.5: this run has only ~60 outer steps)
 
 ``--methods`` picks some, with settings after colons: ``topk:0.01``, ``powersgd:2``,
@@ -36,7 +37,7 @@ from pathlib import Path
 from horovod.testing.netns import TestNetwork, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
-METHODS = ("none", "fp16", "int8", "topk", "powersgd", "localsgd", "diloco")
+METHODS = ("none", "priority", "fp16", "int8", "topk", "powersgd", "localsgd", "diloco")
 
 WORKER = """
     import json, sys, time
@@ -68,6 +69,8 @@ WORKER = """
                 "topk": lambda: C.topk(knobs[0] if knobs else 0.02, warmup_steps=10),
                 "powersgd": lambda: C.powersgd(rank=int(knobs[0]) if knobs else 4)}[method]()
         opt = hvd.DistributedOptimizer(opt, named_parameters=named, compression=comp)
+    elif method == "priority":
+        opt = hvd.PriorityDistributedOptimizer(opt, model)
     elif method == "localsgd":
         opt = hvd.LocalSGD(opt, sync_every=int(knobs[0]) if knobs else 8)
     else:
@@ -89,6 +92,8 @@ WORKER = """
             steps += 1
         if method in ("localsgd", "diloco") and epoch == epochs - 1:
             opt.sync()
+        if method == "priority":
+            opt.synchronize()  # the last step's updates (the next forward would apply them)
         hvd.barrier()
         trained += time.perf_counter() - t0
         with torch.no_grad():

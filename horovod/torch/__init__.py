@@ -80,6 +80,7 @@ from horovod.torch.mpi_ops import (
     synchronize,
 )
 from horovod.torch.optimizer import DistributedOptimizer
+from horovod.torch.priority_optimizer import priority_optimizer as PriorityDistributedOptimizer
 from horovod.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
@@ -153,6 +154,7 @@ __all__ = [
     "DistributedOptimizer",
     "LocalSGD",
     "DiLoCo",
+    "PriorityDistributedOptimizer",
     "SyncBatchNorm",
     "elastic",
 ]
