@@ -144,22 +144,33 @@ def _allreduce(
     total = sum(counts)
     trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(total * dtype.itemsize, dtype)
-    if all(e is not None for e in entries):
-        # One C loop for all the copies in (fused gradients: often hundreds of small ones).
-        np.concatenate([e.array.reshape(-1) for e in entries], out=buf)  # type: ignore[union-attr]
-    else:
-        off = 0
-        for e, c in zip(entries, counts, strict=False):
-            seg = buf[off : off + c]
-            if e is None:
-                seg.fill(0)
-            else:
-                np.copyto(seg, _flat(e.array))
-            off += c
+    _fuse_in(entries, counts, buf)
     trace(f"{kind}_ALLREDUCE")
     scale(buf, resp.prescale)
     alg.allreduce(t, buf, reducer, bufs.scratch, post)
     trace("MEMCPY_OUT_FUSION_BUFFER")
+    return _fuse_out(entries, counts, buf)
+
+
+def _fuse_in(entries: Sequence[Entry | None], counts: Sequence[int], buf: np.ndarray) -> None:
+    """The entries' arrays into the fusion buffer, in order (zeros for a joined rank's)."""
+    if all(e is not None for e in entries):
+        # One C loop for all the copies in (fused gradients: often hundreds of small ones).
+        np.concatenate([e.array.reshape(-1) for e in entries], out=buf)  # type: ignore[union-attr]
+        return
+    off = 0
+    for e, c in zip(entries, counts, strict=False):
+        seg = buf[off : off + c]
+        if e is None:
+            seg.fill(0)
+        else:
+            np.copyto(seg, _flat(e.array))
+        off += c
+
+
+def _fuse_out(entries: Sequence[Entry | None], counts: Sequence[int], buf: np.ndarray) -> list:
+    """The fusion buffer's segments into the entries' outputs; the outputs (None where the
+    entry is a joined rank's)."""
     off = 0
     results: list = []
     copyto = np.copyto
@@ -184,29 +195,13 @@ def _adasum(
     counts = [math.prod(s) for s in resp.shapes]
     trace("MEMCPY_IN_FUSION_BUFFER")
     buf = bufs.fusion_view(sum(counts) * dtype.itemsize, dtype)
-    off = 0
-    for e, c in zip(entries, counts, strict=True):
-        seg = buf[off : off + c]
-        if e is None:
-            seg.fill(0)
-        else:
-            np.copyto(seg, _flat(e.array))
-        off += c
+    _fuse_in(entries, counts, buf)
     trace(f"{kind}_ADASUM")
     scale(buf, resp.prescale)
     adasum_allreduce(t, buf, counts, bufs.scratch)
     scale(buf, resp.postscale)
     trace("MEMCPY_OUT_FUSION_BUFFER")
-    off = 0
-    results: list = []
-    for e, c in zip(entries, counts, strict=True):
-        if e is not None:
-            np.copyto(e.output.reshape(-1), buf[off : off + c])
-            results.append(e.output)
-        else:
-            results.append(None)
-        off += c
-    return results
+    return _fuse_out(entries, counts, buf)
 
 
 def _allgather(
