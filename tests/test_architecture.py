@@ -26,11 +26,13 @@ ALLOWED: dict[str, set[str]] = {
     "collectives": {"common", "transport"},
     "core": {"common", "rendezvous", "transport", "collectives"},
     "frontend": {"common", "core"},
+    # the device data plane: the executor's seam for device tensors (torch installs it)
+    "device": {"common", "transport", "collectives", "core"},
     # elastic training, worker side: states and the retry loop (the driver is runner's)
     "elastic": {"common", "rendezvous", "core", "frontend"},
     "numpy": {"common", "frontend", "elastic"},
     "keras_common": {"common", "frontend", "elastic"},
-    "torch": {"common", "core", "frontend", "elastic"},
+    "torch": {"common", "core", "frontend", "elastic", "device"},
     "tensorflow": {"common", "core", "frontend", "keras_common", "elastic"},
     "jax": {"common", "frontend"},
     "mxnet": {"common", "frontend"},
@@ -48,10 +50,20 @@ ALLOWED: dict[str, set[str]] = {
     "timeline": {"common"},
     "testing": {"common", "core", "frontend", "transport", "numpy"},
     # (transport: the MPI plane benchmark times the plane's MPI calls)
-    "benchmarks": {"common", "testing", "numpy", "torch", "tensorflow", "jax", "transport"},
+    "benchmarks": {
+        "common",
+        "testing",
+        "numpy",
+        "torch",
+        "tensorflow",
+        "jax",
+        "transport",
+        "device",
+    },
     # ``horovod`` itself: its version and ``horovod.run``
     "horovod": {"runner"},
 }
+
 
 def _modules() -> Iterator[tuple[str, Path]]:
     for path in sorted(ROOT.rglob("*.py")):

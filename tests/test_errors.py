@@ -306,7 +306,7 @@ def test_device_mismatch():
         return str(info.value)
 
     for m in run_ranks(body, 2):
-        assert "device CPU on rank 0 but GPU 0 on rank 1" in m
+        assert "device CPU on rank 0 but GPU on rank 1" in m
 
 
 def test_stall_is_reported_and_aborts_past_the_shutdown_limit(caplog):

@@ -155,6 +155,9 @@ def _hosts(t) -> Hosts | None:
     return h
 
 
+host_layout = _hosts  # (the device plane's hierarchical allreduce groups ranks the same way)
+
+
 def native(t):
     """The plane's own collectives for view ``t`` (MPI), or None: the algorithms here then
     run over its point-to-point. Each native method returns False where the plane lacks the

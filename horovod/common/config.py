@@ -223,6 +223,53 @@ class Config:
         "for a job started with hvd.init(comm=...).",
         choices=("gloo", "mpi", "ccl"),
     )
+    gpu_operations: str = _knob(
+        "HOROVOD_GPU_OPERATIONS",
+        "",
+        "CUDA tensors: nccl (the device plane: NCCL on a stream of its own, where every rank "
+        "of the process set has a GPU of its own and NCCL is present) or staged (through "
+        "pinned host memory and the CPU data plane; mpi and gloo mean the same). Unset: nccl "
+        "where it can run, staged elsewhere (docs/gpu.md).",
+        choices=("nccl", "staged", "mpi", "gloo"),
+    )
+    gpu_allreduce: str = _knob(
+        "HOROVOD_GPU_ALLREDUCE",
+        "",
+        "Overrides HOROVOD_GPU_OPERATIONS for allreduce on CUDA tensors.",
+        choices=("nccl", "staged", "mpi", "gloo"),
+    )
+    gpu_allgather: str = _knob(
+        "HOROVOD_GPU_ALLGATHER",
+        "",
+        "Overrides HOROVOD_GPU_OPERATIONS for allgather on CUDA tensors.",
+        choices=("nccl", "staged", "mpi", "gloo"),
+    )
+    gpu_broadcast: str = _knob(
+        "HOROVOD_GPU_BROADCAST",
+        "",
+        "Overrides HOROVOD_GPU_OPERATIONS for broadcast on CUDA tensors.",
+        choices=("nccl", "staged", "mpi", "gloo"),
+    )
+    gpu_alltoall: str = _knob(
+        "HOROVOD_GPU_ALLTOALL",
+        "",
+        "Overrides HOROVOD_GPU_OPERATIONS for alltoall on CUDA tensors.",
+        choices=("nccl", "staged", "mpi", "gloo"),
+    )
+    gpu_reducescatter: str = _knob(
+        "HOROVOD_GPU_REDUCESCATTER",
+        "",
+        "Overrides HOROVOD_GPU_OPERATIONS for reducescatter on CUDA tensors.",
+        choices=("nccl", "staged", "mpi", "gloo"),
+    )
+    device_plane_test: str = _knob(
+        "HOROVOD_DEVICE_PLANE_TEST",
+        "",
+        "Testing the device plane without a GPU: gloo treats CPU torch tensors as device "
+        "tensors and runs the device plane's collectives with PyTorch's Gloo process group "
+        "standing in for NCCL (streams become host stand-ins that check their ordering).",
+        choices=("gloo",),
+    )
     shared_memory: bool = _knob(
         "HOROVOD_SHARED_MEMORY",
         True,

@@ -1,6 +1,7 @@
 """Upstream's ``horovod.common.util`` helpers that user code imports, answering for this
 implementation: what it was built with (no compiled extensions: Gloo's role is played by
-pyhorovod's own transports; MPI is there when mpi4py is installed; no NCCL or CUDA build),
+pyhorovod's own transports; MPI is there when mpi4py is installed; CUDA and NCCL when the
+installed PyTorch is a CUDA build with PyPI's NCCL package, found without importing torch),
 which framework frontends can be used, and small helpers (``env``, ``split_list``, version
 comparison).
 
@@ -9,6 +10,8 @@ Must not touch: any layer above it (the frontend reads its build answers from he
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -20,6 +23,28 @@ T = TypeVar("T")
 
 # What upstream would have compiled in, as this implementation has it.
 BUILT = {"gloo": True, "nccl": False, "ddl": False, "ccl": False, "cuda": False}
+
+
+@functools.cache
+def _torch_gpu_stack() -> tuple[bool, int]:
+    """``(cuda, nccl_version)`` of the installed PyTorch: a CUDA build (a ``+cu`` version or
+    PyPI's CUDA runtime package beside it), and the NCCL package that such builds load
+    (upstream's version code, major*10000 + minor*100 + patch; 0: none)."""
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False, 0
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    cuda = "+cu" in torch_version or any(n.startswith("nvidia-cuda-runtime") for n in names)
+    if "+cpu" in torch_version or not cuda:
+        return False, 0
+    for n in sorted(names):
+        if n.startswith("nvidia-nccl"):
+            parts = [int(x) for x in re.findall(r"\d+", importlib.metadata.version(n))[:3]]
+            major, minor, patch = (parts + [0, 0, 0])[:3]
+            return True, major * 10000 + minor * 100 + patch
+    return True, 0
+
 
 # Frontend -> the framework it needs. Frontends not listed do not exist in this version.
 _FRAMEWORKS = {
@@ -55,8 +80,13 @@ def mpi_built(verbose: bool = False) -> bool:
     return ok
 
 
-def nccl_built(verbose: bool = False) -> bool:
-    return BUILT["nccl"]
+def nccl_built(verbose: bool = False) -> int:
+    """The NCCL version code the device plane can use (0: none; docs/gpu.md)."""
+    return _torch_gpu_stack()[1]
+
+
+def cuda_built() -> bool:
+    return _torch_gpu_stack()[0]
 
 
 def ddl_built(verbose: bool = False) -> bool:
@@ -68,8 +98,13 @@ def ccl_built(verbose: bool = False) -> bool:
 
 
 def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
-    """Whether ``ext_base_name`` was built for GPUs (CUDA or ROCm): no build here is."""
-    return BUILT["cuda"] and extension_available(ext_base_name, verbose)
+    """Whether ``ext_base_name`` can run on GPUs here (a CUDA build of its framework; only
+    horovod.torch has the device plane)."""
+    return (
+        ext_base_name == "horovod.torch"
+        and cuda_built()
+        and extension_available(ext_base_name, verbose)
+    )
 
 
 @contextmanager

@@ -34,6 +34,7 @@ from horovod.core.handles import Entry
 from horovod.core.messages import (
     ALLREDUCE,
     CACHEABLE,
+    CPU_DEVICE,
     decode,
     display_name,
     encode,
@@ -95,6 +96,8 @@ class Engine(ExpressPaths):
                 self._abort(f"rank {self.rank} could not shut down cleanly within {timeout:g} s")
                 self._thread.join(5)
         self._close_table(shutdown_message(f"rank {self.rank} {why}"))
+        if self.device_plane is not None:
+            self.device_plane.close()
         self.transport.close()
 
     def alive(self) -> bool:
@@ -186,6 +189,8 @@ class Engine(ExpressPaths):
                 except Exception:
                     pass
         self.transport.abort(reason)
+        if self.device_plane is not None:
+            self.device_plane.abort()
         self._post(("abort", reason))
 
     def _run(self) -> None:
@@ -388,6 +393,7 @@ class Engine(ExpressPaths):
                 cid is not None
                 and req.op == ALLREDUCE
                 and req.reduce_op in ops.UFUNCS
+                and req.device == CPU_DEVICE
                 and e.array.nbytes <= eager
             ):
                 data = e.array

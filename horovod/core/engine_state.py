@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Any, cast
 
 from horovod.core import ops
 from horovod.core.autotune import Autotuner
@@ -87,6 +87,10 @@ class EngineState:
         self.closed: str | None = None  # set once: why no more work is accepted
         self.closing = False  # a clean shutdown is under way
         self.buffers = ops.Buffers()
+        # The device data plane (``horovod.device``), made on the first device response by
+        # ``device_factory`` (set by the context; None: no device tensors in this job).
+        self.device_plane: Any = None
+        self.device_factory: Callable[[], Any] | None = None
         self.sets: dict[int, SetState] = {}
         self.stats = {
             "cycles": 0,

@@ -27,6 +27,7 @@ from horovod.core.messages import (
     ALLREDUCE,
     BROADCAST,
     CACHEABLE,
+    CPU_DEVICE,
     ERROR,
     JOIN,
     OP_NAMES,
@@ -128,14 +129,13 @@ class Executor(EngineState):
         assert ss.view is not None
         if op == BROADCAST:
             resp = with_root(resp, ss.ranks.index(resp.root))
+        run = ops.execute if resp.device == CPU_DEVICE else self._device().execute
         if tl is None:
-            results = ops.execute(resp, entries, ss.view, self.buffers)
+            results = run(resp, entries, ss.view, self.buffers, ops._no_trace)
         else:
             rows = timeline_rows(resp)
             tl.ops_start(rows, OP_NAMES[op])
-            results = ops.execute(
-                resp, entries, ss.view, self.buffers, lambda act: tl.activity(rows, act)
-            )
+            results = run(resp, entries, ss.view, self.buffers, lambda act: tl.activity(rows, act))
             tl.ops_end(rows, NAME_OF_CODE.get(resp.dtype, "?"), resp.shapes)
         with self.lock:
             self.running = []
@@ -144,6 +144,15 @@ class Executor(EngineState):
                 e.handle._complete(e.index, r)
         if self.autotuner is not None and op == ALLREDUCE and resp.ps_id == 0:
             self._autotune(resp)
+
+    def _device(self) -> Any:
+        """The device data plane, made on the first device response (every rank of a set
+        meets that response at the same point, so the plane's collective set-up lines up)."""
+        if self.device_plane is None:
+            if self.device_factory is None:
+                raise RuntimeError("a device tensor reached an engine without a device plane")
+            self.device_plane = self.device_factory()
+        return self.device_plane
 
     def _claim(self, resp: Response, running: bool) -> list[Entry | None]:
         """Take this rank's entries of ``resp`` out of the table (None for a joined rank's),

@@ -60,8 +60,14 @@ class ExpressPaths(Driving):
             return False
         req = e.request
         op = req.op
-        if req.ps_id != 0 or not (
-            op == ALLGATHER or op == BROADCAST or (op == ALLREDUCE and req.reduce_op in ops.UFUNCS)
+        if (
+            req.ps_id != 0
+            or req.device != CPU_DEVICE
+            or not (
+                op == ALLGATHER
+                or op == BROADCAST
+                or (op == ALLREDUCE and req.reduce_op in ops.UFUNCS)
+            )
         ):
             return False
         if not self.drive.acquire(blocking=False):

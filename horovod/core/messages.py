@@ -45,6 +45,24 @@ REDUCE_NAMES = {
 }
 
 CPU_DEVICE = -1
+# Requests name the kind of device only (each rank has its own GPU): a device tensor on the
+# GPU its rank's device plane works on is DEVICE.
+DEVICE = 0
+# A request's device below this says that the rank's tensor is on a GPU other than the one its
+# device plane works on (``wrong_device_code``): the coordinator refuses it on every rank.
+WRONG_DEVICE_BASE = -2
+
+
+def wrong_device_code(index: int, expected: int) -> int:
+    return WRONG_DEVICE_BASE - (index + 1024 * expected)
+
+
+def wrong_device(code: int) -> tuple[int, int]:
+    """``(index, expected)`` of a ``wrong_device_code``."""
+    v = WRONG_DEVICE_BASE - code
+    return v % 1024, v // 1024
+
+
 CACHEABLE = frozenset({ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER})
 FUSIBLE = frozenset({ALLREDUCE, ALLGATHER, REDUCESCATTER})
 

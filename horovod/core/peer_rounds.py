@@ -33,6 +33,7 @@ from horovod.core.messages import (
     ALLREDUCE,
     BROADCAST,
     CACHEABLE,
+    CPU_DEVICE,
     FUSIBLE,
     OP_NAMES,
     Response,
@@ -128,7 +129,7 @@ class PeerRounds(Executor):
         memo = self._posted_by_cid
         for e in entries:
             req = e.request
-            if req.ps_id != 0 or req.op not in CACHEABLE:
+            if req.ps_id != 0 or req.op not in CACHEABLE or req.device != CPU_DEVICE:
                 return False
             cid = cache.lookup(req.name, req.signature(), ss.set_rank)
             if cid is None:

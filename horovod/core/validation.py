@@ -22,15 +22,18 @@ from horovod.core.messages import (
     ALLTOALL,
     BARRIER,
     BROADCAST,
+    CPU_DEVICE,
     ERROR,
     OP_NAMES,
     PROCESS_SET_ADD,
     PROCESS_SET_REMOVE,
     REDUCE_NAMES,
     REDUCESCATTER,
+    WRONG_DEVICE_BASE,
     Request,
     Response,
     display_name,
+    wrong_device,
 )
 from horovod.core.pending import Pending
 from horovod.core.set_state import SetState
@@ -73,6 +76,15 @@ def validate(
                 "for the same name"
             )
     op = q0.op
+    for r, q in reqs:
+        if q.device <= WRONG_DEVICE_BASE:
+            index, expected = wrong_device(q.device)
+            return err(
+                f"{what}: rank {r}{at(q)} has the tensor on GPU {index}, but that rank's "
+                f"device plane works on GPU {expected} (its local rank modulo the GPUs it "
+                "sees); call torch.cuda.set_device(hvd.local_rank()) before creating tensors, "
+                "or give each rank one GPU with CUDA_VISIBLE_DEVICES"
+            )
     for r, q in reqs[1:]:
         if q.dtype != q0.dtype:
             return mismatch(
@@ -128,12 +140,11 @@ def validate(
                 "root_rank", q0.root, r, q.root, "every rank must pass the same root_rank"
             )
         if q.device != q0.device:
-            dev = {-1: "CPU"}
             return mismatch(
                 "device",
-                dev.get(q0.device, f"GPU {q0.device}"),
+                "CPU" if q0.device == CPU_DEVICE else "GPU",
                 r,
-                dev.get(q.device, f"GPU {q.device}"),
+                "CPU" if q.device == CPU_DEVICE else "GPU",
                 "every rank must keep this tensor on the same kind of device",
             )
         if q.extra != q0.extra:

@@ -42,6 +42,8 @@ from horovod.frontend.basics import (
     cross_size,
     cuda_built,
     ddl_built,
+    device_code,
+    device_standin,
     gloo_built,
     gloo_enabled,
     init,
@@ -59,6 +61,7 @@ from horovod.frontend.basics import (
     size,
     start_timeline,
     stop_timeline,
+    use_device_plane,
 )
 from horovod.frontend.collectives import (
     allgather,

@@ -7,10 +7,12 @@ Must not touch: the engine (it goes through ``horovod.core.context``), tensors.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from horovod.common import util
 from horovod.core import context as _context
+from horovod.core.messages import DEVICE, wrong_device_code
 from horovod.frontend.arguments import require_context
 
 
@@ -106,11 +108,37 @@ def ccl_built() -> bool:
 
 
 def cuda_built() -> bool:
-    return util.BUILT["cuda"]
+    return util.cuda_built()
 
 
 def rocm_built() -> bool:
     return False
+
+
+def device_standin() -> bool:
+    """Do framework CPU tensors stand in for device tensors (``HOROVOD_DEVICE_PLANE_TEST``,
+    for testing the device plane without a GPU)?"""
+    ctx = _context.current()
+    return ctx is not None and bool(ctx.config.device_plane_test)
+
+
+def device_code(index: int, visible: int) -> int:
+    """What a request says about a tensor on GPU ``index`` of ``visible``: a device tensor,
+    or one on a GPU other than the one this rank's device plane works on (its local rank
+    modulo the visible GPUs), which the coordinator refuses on every rank."""
+    expected = local_rank() % max(1, visible)
+    return DEVICE if index == expected else wrong_device_code(index, expected)
+
+
+def use_device_plane(make: Callable[[Any, int, int], Any]) -> None:
+    """Give this rank's engine the maker of its device data plane, ``make(config, rank,
+    local_rank)`` (called on the first device response; a framework package with device
+    tensors installs it before submitting one)."""
+    engine = require_context().engine
+    if engine.device_factory is None:
+        ctx = require_context()
+        cfg, me, local = ctx.config, ctx.rank, ctx.local_rank
+        engine.device_factory = lambda: make(cfg, me, local)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

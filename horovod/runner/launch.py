@@ -296,6 +296,7 @@ def check_build() -> str:
         ("NumPy", True),
     ]
     mpi_ops = util.mpi_built()
+    nccl = util.nccl_built() > 0
     lines = [f"Horovod v{__version__} (pyhorovod):", "", "Available Frameworks:"]
     lines += [f"    {mark(ok)} {name}" for name, ok in frameworks]
     lines += [
@@ -307,7 +308,7 @@ def check_build() -> str:
         "Available Tensor Operations:",
     ]
     lines += [
-        f"    {mark(n == 'Gloo' or (n == 'MPI' and mpi_ops))} {n}"
+        f"    {mark(n == 'Gloo' or (n == 'MPI' and mpi_ops) or (n == 'NCCL' and nccl))} {n}"
         for n in ("NCCL", "DDL", "CCL", "MPI", "Gloo")
     ]
     return "\n".join(lines)

@@ -1,8 +1,12 @@
 """The torch tensor adapter: tensors to NumPy views of the same memory and back, the checks
 on what a collective accepts, and handles (``poll``, ``synchronize``).
 
-CPU tensors are viewed without a copy (bfloat16 and bool through a same-size integer view);
-CUDA tensors go through host memory until a device data plane exists.
+CPU tensors are viewed without a copy (bfloat16 and bool through a same-size integer view).
+CUDA tensors stay on their device: they reach the engine as ``DeviceArray``s carrying the
+tensor and an event on the caller's current stream, the device data plane (``horovod.device``)
+moves them, and a result is handed back only after the caller's stream waits for the plane's
+done event (``horovod.device.streams.consume``). With ``HOROVOD_DEVICE_PLANE_TEST`` CPU
+tensors take that path too (the plane tested without a GPU).
 
 Must not touch: the engine (everything goes through ``horovod.frontend``), autograd.
 """
@@ -17,6 +21,7 @@ import torch
 from horovod import frontend as F
 from horovod.common.dtypes import BFLOAT16
 from horovod.common.exceptions import HorovodInternalError
+from horovod.core.messages import CPU_DEVICE, DEVICE
 
 Average, Sum, Adasum, Min, Max, Product = F.Average, F.Sum, F.Adasum, F.Min, F.Max, F.Product
 
@@ -36,7 +41,30 @@ SUPPORTED = {
 
 
 def device_of(t: torch.Tensor) -> int:
-    return t.device.index or 0 if t.device.type == "cuda" else -1
+    """The request's device: CPU, a device tensor, or (refused on every rank by the
+    coordinator) a tensor on a GPU other than this rank's."""
+    if t.device.type == "cuda":
+        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        return F.device_code(index, torch.cuda.device_count())
+    if t.device.type == "cpu" and F.device_standin():
+        return DEVICE
+    return CPU_DEVICE
+
+
+def make_device_plane(config: Any, rank: int, local_rank: int) -> Any:
+    from horovod.device.plane import DevicePlane
+
+    return DevicePlane(config, rank, local_rank, config.hierarchical_allreduce)
+
+
+def _device_array(t: torch.Tensor) -> Any:
+    from horovod.device.arrays import DeviceArray
+    from horovod.device.streams import ready_event
+
+    F.use_device_plane(make_device_plane)
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"tensors on {t.device.type} are not supported; use CPU or CUDA tensors")
+    return DeviceArray(t, ready_event(t))
 
 
 def check_tensor(t: Any, what: str) -> torch.Tensor:
@@ -53,17 +81,22 @@ def check_tensor(t: Any, what: str) -> torch.Tensor:
     return t
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor's memory (a host copy for CUDA tensors)."""
+def to_numpy(t: torch.Tensor) -> Any:
+    """A NumPy view of a CPU tensor's memory; a ``DeviceArray`` for a device tensor."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
+    if t.device.type != "cpu" or F.device_standin():
+        return _device_array(t)
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(BFLOAT16)  # type: ignore[arg-type]
     return t.numpy()
 
 
-def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
+def from_numpy(a: Any, like: torch.Tensor | None = None) -> torch.Tensor:
+    if type(a) is not np.ndarray and hasattr(a, "tensor"):  # a device result
+        from horovod.device.streams import consume
+
+        consume(a.tensor, a.done)
+        return a.tensor
     if BFLOAT16 is not None and a.dtype == BFLOAT16:
         out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     else:
@@ -73,10 +106,13 @@ def from_numpy(a: np.ndarray, like: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def write_back(dst: torch.Tensor, src_view: np.ndarray) -> None:
-    """After an in-place op on a CUDA tensor's host copy, copy the result to the device."""
-    if dst.device.type != "cpu":
-        dst.copy_(from_numpy(src_view))
+def write_back(dst: torch.Tensor, src_view: Any) -> None:
+    """After an op into ``dst``: a device result is used only once the caller's stream waits
+    for the plane (a CPU view needs nothing: the engine wrote into ``dst`` itself)."""
+    if type(src_view) is not np.ndarray and hasattr(src_view, "tensor"):
+        from horovod.device.streams import consume
+
+        consume(dst, src_view.done)
 
 
 def inplace_view(t: torch.Tensor) -> np.ndarray:
@@ -92,6 +128,7 @@ def is_plain(t: Any, grad_ok: bool = False) -> bool:
         and (grad_ok or not t.requires_grad)
         and t.device.type == "cpu"
         and t.dtype in SUPPORTED
+        and not F.device_standin()
         and t.layout is torch.strided
         and t.is_contiguous()
     )

@@ -27,6 +27,7 @@ from horovod.torch.adapter import (
     from_numpy,
     inplace_view,
     is_plain,
+    make_device_plane,
     poll,  # noqa: F401  (upstream's name here)
     sync_call,
     synchronize,
@@ -462,6 +463,8 @@ def sparse_allreduce_async(
 
 
 def join(device: int = -1) -> int:
+    # A joined rank contributes zeros to the others' allreduces, device ones included.
+    F.use_device_plane(make_device_plane)
     return F.join(device)
 
 

@@ -1,0 +1,351 @@
+"""The device data plane (horovod.device) without a GPU: PyTorch's Gloo process group stands
+in for NCCL and host stand-in streams check the ordering (HOROVOD_DEVICE_PLANE_TEST=gloo).
+Everything but the CUDA calls runs: path choice, process-group bootstrap from the job's own
+ranks, device fusion, every collective with upstream's numerics, the staged path through
+host memory and the CPU planes, hierarchical allreduce, errors, the timeline. The results
+must have the bits of the CPU planes' results. GPU tests at the end skip without CUDA."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
+from horovod.testing import run_ranks
+
+STANDIN = {"HOROVOD_DEVICE_PLANE_TEST": "gloo"}
+STAGED = {**STANDIN, "HOROVOD_GPU_OPERATIONS": "staged"}
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the device tool's machine)"
+)
+
+
+def _plane():
+    from horovod.core.context import current
+
+    return current().engine.device_plane
+
+
+def _bits(t) -> bytes:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.uint8]
+
+
+def _scenario(rank: int) -> list[bytes]:
+    """Every collective with its variants; every result as bytes."""
+    g = torch.Generator().manual_seed(100 + rank)
+    out: list[bytes] = []
+    for dt in DTYPES:
+        # Values whose sums and products are exact in every type: the process group and the
+        # CPU planes add in different orders, and must still agree to the bit.
+        base = torch.randint(0, 4, (5, 3), generator=g).to(dt)
+        if dt.is_floating_point:
+            base = base / 4
+        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+            if dt == torch.uint8 and op in (hvd.Average, hvd.Product):
+                continue
+            out.append(_bits(hvd.allreduce(base, op=op, name=f"ar.{dt}.{op}")))
+        if dt.is_floating_point:
+            out.append(
+                _bits(
+                    hvd.allreduce(base, op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)
+                )
+            )
+    flags = torch.tensor([rank == 0, True, False, rank == 1])
+    for op in (hvd.Sum, hvd.Min, hvd.Max):
+        out.append(_bits(hvd.allreduce(flags, op=op)))
+    # grouped (fused on the device), in place
+    ts = [torch.arange(4.0) * (rank + 1), torch.ones(2, 2) * rank, torch.tensor([rank * 1.5])]
+    hvd.grouped_allreduce_(ts, op=hvd.Sum)
+    out += [_bits(t) for t in ts]
+    # allgather with rows that differ by rank, alone and grouped
+    out.append(_bits(hvd.allgather(torch.full((rank + 1, 2), rank, dtype=torch.int64))))
+    gs = hvd.grouped_allgather([torch.ones(rank + 2) * rank, torch.arange(2.0 * (rank + 1))])
+    out += [_bits(x) for x in gs]
+    out.append(_bits(hvd.allgather(torch.tensor([[rank, rank + 1]], dtype=torch.float16))))
+    # broadcast from every root, in place too
+    for root in range(hvd.size()):
+        out.append(_bits(hvd.broadcast(torch.arange(3.0) + rank, root)))
+    b = torch.full((4,), float(rank))
+    hvd.broadcast_(b, hvd.size() - 1)
+    out.append(_bits(b))
+    # alltoall with uneven splits
+    n = hvd.size()
+    splits = torch.tensor([(rank + p) % 3 for p in range(n)], dtype=torch.int32)
+    x = torch.arange(int(splits.sum()) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+    got, recv = hvd.alltoall(x, splits=splits)
+    out += [_bits(got), _bits(recv)]
+    # reducescatter, rows not divisible by the size, alone and grouped
+    out.append(_bits(hvd.reducescatter(torch.arange(7.0) * (rank + 1), op=hvd.Sum)))
+    out.append(_bits(hvd.reducescatter(torch.arange(10.0).reshape(5, 2) + rank, op=hvd.Average)))
+    rs = hvd.grouped_reducescatter([torch.ones(4) * rank, torch.arange(6.0) + rank])
+    out += [_bits(r) for r in rs]
+    # Adasum (the staged path: its coefficients are computed on the host)
+    out.append(_bits(hvd.allreduce(torch.tensor([1.0, 2.0, 0.5]) * (rank + 1), op=hvd.Adasum)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    return {n: run_ranks(_scenario, n, timeout=120) for n in (2, 3)}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("env", [STANDIN, STAGED], ids=["device", "staged"])
+def test_every_collective_has_the_cpu_planes_bits(size, env, cpu_results):
+    def body(rank):
+        res = _scenario(rank)
+        return res, dict(_plane().path_counts)
+
+    got = run_ranks(body, size, env=env, timeout=120)
+    for rank, (res, counts) in enumerate(got):
+        assert len(res) == len(cpu_results[size][rank])
+        for i, (a, b) in enumerate(zip(res, cpu_results[size][rank], strict=True)):
+            assert a == b, f"rank {rank}: result {i} differs from the CPU planes'"
+        if env is STAGED:
+            assert counts["device"] == 0 and counts["staged"] > 0
+        else:  # only Adasum is staged
+            assert counts["staged"] == 1 and counts["device"] > 40
+
+
+def test_per_op_setting_picks_the_path():
+    env = {**STANDIN, "HOROVOD_GPU_ALLGATHER": "staged"}
+
+    def body(rank):
+        hvd.allreduce(torch.ones(3))
+        before = dict(_plane().path_counts)
+        hvd.allgather(torch.ones(2))
+        return before, dict(_plane().path_counts)
+
+    for before, after in run_ranks(body, 2, env=env):
+        assert before == {"device": 1, "staged": 0}
+        assert after == {"device": 1, "staged": 1}
+
+
+def test_streams_are_ordered_for_every_op():
+    """The plane waits for each input's ready event (recorded by the caller) before it
+    records the op's done event, and results are consumed only after that event."""
+
+    def body(rank):
+        handles = [
+            hvd.allreduce_async(torch.ones(4) * i, name=f"s{i}", op=hvd.Sum) for i in range(5)
+        ]
+        outs = [hvd.synchronize(h) for h in handles]
+        return list(_plane().streams.log), [o.tolist() for o in outs]
+
+    for log, outs in run_ranks(body, 2, env=STANDIN):
+        assert outs == [[2.0 * i] * 4 for i in range(5)]
+        waits = 0
+        for kind, _ in log:
+            if kind == "wait":
+                waits += 1
+            else:
+                assert kind == "record" and waits >= 1, log
+                waits = 0
+        # every input waited for once (fused ops share one done event)
+        assert sum(1 for k, _ in log if k == "wait") == 5
+        assert 1 <= sum(1 for k, _ in log if k == "record") <= 5
+
+
+def test_host_stand_in_refuses_what_would_race_on_a_gpu():
+    from horovod.device.streams import HostEvent, HostStreams, consume
+
+    s = HostStreams(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="never recorded"):
+        s.wait_ready(torch.ones(1), HostEvent())
+    with pytest.raises(RuntimeError, match="before the plane recorded"):
+        consume(torch.ones(1), HostEvent())
+    with pytest.raises(RuntimeError, match="no stream recorded"):
+        s.host_wait(HostEvent())
+
+
+def test_distributed_optimizer_sync_batch_norm_and_fp16_match_the_cpu_planes():
+    def body(rank):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), hvd.SyncBatchNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+        )
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16,
+        )
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            x = torch.randn(5, 6, generator=g)
+            y = torch.randint(0, 2, (5,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        return [_bits(p) for p in model.state_dict().values()]
+
+    cpu = run_ranks(body, 2, timeout=120)
+    dev = run_ranks(body, 2, env=STANDIN, timeout=120)
+    assert dev == cpu
+    assert dev[0] == dev[1]
+
+
+def test_joined_rank_contributes_zeros_to_device_allreduces():
+    def body(rank):
+        if rank == 1:
+            return hvd.join()
+        outs = [hvd.allreduce(torch.ones(3) * (i + 1), op=hvd.Sum).tolist() for i in range(3)]
+        last = hvd.join()
+        return outs, last
+
+    res = run_ranks(body, 2, env=STANDIN)
+    outs, last = res[0]
+    assert outs == [[1.0] * 3, [2.0] * 3, [3.0] * 3]
+    assert last in (0, 1)
+
+
+def test_process_sets_get_their_own_groups():
+    def body(rank):
+        ps = hvd.add_process_set([0, 2])
+        try:
+            out = None
+            if rank in (0, 2):
+                out = hvd.allreduce(torch.ones(2) * rank, op=hvd.Sum, process_set=ps).tolist()
+            whole = hvd.allreduce(torch.ones(2) * rank, op=hvd.Sum).tolist()
+            return out, whole, sorted(_plane().groups)
+        finally:
+            hvd.remove_process_set(ps)
+
+    res = run_ranks(body, 3, env={**STANDIN, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    assert res[0][0] == res[2][0] == [2.0, 2.0] and res[1][0] is None
+    assert all(r[1] == [3.0, 3.0] for r in res)
+    assert res[0][2] == res[2][2] == [0, 1] and res[1][2] == [0]
+
+
+def test_hierarchical_allreduce_device_within_hosts_cpu_across():
+    hosts = ["a", "a", "b", "b"]
+
+    def body(rank):
+        x = torch.arange(6, dtype=torch.float64) * (rank + 1) + 0.25
+        out = [hvd.allreduce(x, op=op, name=f"h{op}") for op in (hvd.Sum, hvd.Average, hvd.Max)]
+        fused = hvd.grouped_allreduce([x[:2], x * 2], op=hvd.Sum)
+        return [_bits(t) for t in out + fused], sorted(_plane().groups[0].__dict__)
+
+    env = {**STANDIN, "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}
+    dev = run_ranks(body, 4, env=env, hosts=hosts)
+    flat = run_ranks(body, 4, env=STANDIN, hosts=hosts)
+    for (a, _), (b, _) in zip(dev, flat, strict=True):
+        assert a == b
+    # sums of these values are exact in any order: compare with the arithmetic too
+    want = sum(np.arange(6.0) * (r + 1) + 0.25 for r in range(4))
+    assert np.frombuffer(dev[0][0][0], np.float64).tolist() == want.tolist()
+
+
+def test_timeline_names_the_path(tmp_path):
+    path = tmp_path / "tl.json"
+
+    def body(rank):
+        hvd.allreduce(torch.ones(3), name="dev")
+        hvd.allreduce(torch.ones(3), name="ada", op=hvd.Adasum)
+
+    run_ranks(body, 2, env={**STANDIN, "HOROVOD_TIMELINE": str(path)})
+    names = {e.get("name") for e in json.loads(path.read_text()) if isinstance(e, dict)}
+    assert "GLOO_ALLREDUCE" in names
+    assert "MEMCPY_DEVICE_TO_HOST" in names and "MEMCPY_HOST_TO_DEVICE" in names
+    assert any(n and n.startswith("STAGED_") for n in names)
+
+
+def test_cpu_tensor_on_one_rank_device_on_another_fails_on_every_rank():
+    import horovod.numpy as hnp
+
+    def body(rank):
+        with pytest.raises(HorovodInternalError) as info:
+            if rank == 0:
+                hnp.allreduce(np.ones(3), name="mixed")
+            else:
+                hvd.allreduce(torch.ones(3, dtype=torch.float64), name="mixed")
+        return str(info.value)
+
+    for m in run_ranks(body, 2, env=STANDIN):
+        assert "device CPU on rank 0" in m and "but GPU on rank 1" in m
+
+
+def test_tensor_on_another_ranks_gpu_fails_on_every_rank():
+    from horovod.core.context import current
+    from horovod.core.handles import Entry, Handle
+    from horovod.core.messages import ALLREDUCE, DEVICE, Request, wrong_device_code
+
+    def body(rank):
+        h = Handle(1)
+        x = np.zeros(3)
+        dev = wrong_device_code(0, 1) if rank == 1 else DEVICE
+        req = Request(0, "wrongdev", ALLREDUCE, 8, (3,), device=dev)
+        current().engine.submit([Entry(req, x, x.copy(), h)])
+        with pytest.raises(HorovodInternalError) as info:
+            h.wait()
+        return str(info.value)
+
+    for m in run_ranks(body, 2):
+        assert "rank 1" in m and "GPU 0" in m and "works on GPU 1" in m
+        assert "torch.cuda.set_device(hvd.local_rank())" in m
+
+
+def test_choose_path():
+    from horovod.device.groups import choose_path
+
+    def rec(device, ok=True):
+        return json.dumps({"device": device, "backend_ok": ok}).encode()
+
+    all_nccl = {0: "", 1: "nccl"}
+    paths, why = choose_path([rec("g0"), rec("g1")], ["a", "a"], all_nccl)
+    assert paths == {0: "device", 1: "device"} and why == ""
+    paths, why = choose_path([rec("g0"), rec("g0")], ["a", "a"], all_nccl)
+    assert paths == {0: "staged", 1: "staged"} and "ranks 0 and 1 share one GPU" in why
+    paths, why = choose_path([rec("g0"), rec("g0")], ["a", "b"], all_nccl)  # two hosts
+    assert paths == {0: "device", 1: "device"}
+    paths, why = choose_path([rec("g0"), rec("g1", ok=False)], None, all_nccl)
+    assert paths[0] == "staged" and "not available on rank(s) [1]" in why
+    paths, why = choose_path([rec("g0"), rec("g1")], None, {0: "staged", 1: "mpi", 2: ""})
+    assert paths == {0: "staged", 1: "staged", 2: "device"}
+
+
+def test_the_plane_is_released_at_shutdown_and_made_again_after_init():
+    def body(rank):
+        first = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()
+        plane = _plane()
+        hvd.shutdown()
+        hvd.init()
+        second = hvd.allreduce(torch.ones(2) * 2, op=hvd.Sum).tolist()
+        return first, second, plane.groups == {}, _plane() is not plane
+
+    for first, second, cleared, fresh in run_ranks(body, 2, env=STANDIN):
+        assert first == [2.0, 2.0] and second == [4.0, 4.0] and cleared and fresh
+
+
+# --- on a real GPU (skipped without one) -------------------------------------------------
+
+
+@needs_gpu
+def test_gpu_one_rank_nccl_every_collective():
+    def body(rank):
+        torch.cuda.set_device(0)
+        x = torch.arange(6.0, device="cuda")
+        outs = [
+            hvd.allreduce(x, op=hvd.Average),
+            hvd.allgather(x),
+            hvd.broadcast(x, 0),
+            hvd.alltoall(x)[0] if hasattr(hvd, "alltoall") else x,
+            hvd.reducescatter(x),
+        ]
+        assert all(o.device.type == "cuda" for o in outs)
+        return [o.cpu().tolist() for o in outs], dict(_plane().path_counts)
+
+    (outs, counts), = run_ranks(body, 1)
+    assert outs[0] == list(np.arange(6.0))
+    assert counts["device"] == 5
