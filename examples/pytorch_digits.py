@@ -3,6 +3,10 @@
     horovodrun -np 2 python examples/pytorch_digits.py
     horovodrun -np 2 python examples/pytorch_digits.py --resume     # continue from checkpoint
 
+On a machine with GPUs each rank trains on GPU ``local_rank`` (``--no-cuda`` keeps the CPU):
+gradients are then averaged on the device (NCCL, or staged through host memory where ranks
+share a GPU; docs/gpu.md).
+
 The script is written exactly as for upstream Horovod: each rank reads its shard of the data
 (DistributedSampler), the learning rate is scaled by the number of ranks with a linear warmup,
 gradients are averaged by hvd.DistributedOptimizer while backward runs, rank 0 alone writes the
@@ -68,11 +72,17 @@ def main() -> int:
         default=0.9,
         help="exit non-zero if the final test accuracy is lower",
     )
+    ap.add_argument("--no-cuda", action="store_true", help="train on the CPU even with GPUs")
     args = ap.parse_args()
 
     hvd.init()
     torch.manual_seed(1234)
     torch.set_num_threads(1)  # ranks share this host's cores
+    device = torch.device("cpu")
+    if torch.cuda.is_available() and not args.no_cuda:
+        # one GPU per rank (ranks beyond the GPUs share them: the staged path)
+        torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
 
     train_set, test_set = digits()
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank())
@@ -82,7 +92,7 @@ def main() -> int:
     )
     test_loader = DataLoader(test_set, batch_size=256, sampler=test_sampler)
 
-    model = Net()
+    model = Net().to(device)
     # Scale the learning rate by the number of ranks: the global batch is size x larger.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=0.9)
     start_epoch = 0
@@ -90,7 +100,7 @@ def main() -> int:
         if hvd.rank() == 0 and not os.path.exists(args.checkpoint):
             print(f"no checkpoint at {args.checkpoint}", flush=True)
         if os.path.exists(args.checkpoint):
-            state = torch.load(args.checkpoint, map_location="cpu")
+            state = torch.load(args.checkpoint, map_location=device)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             start_epoch = state["epoch"]
@@ -106,6 +116,7 @@ def main() -> int:
         sampler.set_epoch(epoch)
         total_loss = 0.0
         for step, (x, y) in enumerate(train_loader):
+            x, y = x.to(device), y.to(device)
             progress = epoch + step / steps_per_epoch
             warm = min(1.0, (progress + 1.0 / steps_per_epoch) / args.warmup_epochs)
             for group in optimizer.param_groups:
@@ -119,6 +130,7 @@ def main() -> int:
         correct = seen = 0
         with torch.no_grad():
             for x, y in test_loader:
+                x, y = x.to(device), y.to(device)
                 correct += (model(x).argmax(1) == y).sum().item()
                 seen += len(y)
         # Average the metrics over ranks: each rank saw only its shard.

@@ -346,6 +346,70 @@ def test_gpu_one_rank_nccl_every_collective():
         assert all(o.device.type == "cuda" for o in outs)
         return [o.cpu().tolist() for o in outs], dict(_plane().path_counts)
 
-    (outs, counts), = run_ranks(body, 1)
+    ((outs, counts),) = run_ranks(body, 1)
     assert outs[0] == list(np.arange(6.0))
     assert counts["device"] == 5
+
+
+# --- whole jobs under horovodrun, on the stand-in -------------------------------------------
+
+
+@pytest.mark.e2e
+def test_digits_example_trains_on_the_device_plane(tmp_path, monkeypatch):
+    from conftest import horovodrun_example
+
+    def epochs(r):
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [line for line in r.stdout.splitlines() if "<stdout>:epoch" in line]
+
+    args = ("--checkpoint", str(tmp_path / "c.pt"), "--epochs", "4", "--min-accuracy", "0.5")
+    on_cpu_planes = epochs(horovodrun_example(2, "pytorch_digits.py", *args))
+    timeline = tmp_path / "timeline.json"
+    monkeypatch.setenv("HOROVOD_DEVICE_PLANE_TEST", "gloo")
+    monkeypatch.setenv("HOROVOD_TIMELINE", str(timeline))
+    on_device_plane = epochs(horovodrun_example(2, "pytorch_digits.py", *args))
+    # the same losses and accuracies to the last printed digit, epoch by epoch
+    assert on_device_plane == on_cpu_planes and len(on_cpu_planes) == 4
+    names = {e.get("name") for e in json.loads(timeline.read_text()) if isinstance(e, dict)}
+    assert "GLOO_ALLREDUCE" in names
+
+
+@pytest.mark.e2e
+def test_a_rank_lost_during_device_collectives_ends_the_job_with_a_report(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    script = tmp_path / "lost.py"
+    script.write_text(
+        "import os, threading, torch\n"
+        "import horovod.torch as hvd\n"
+        "hvd.init()\n"
+        "x = torch.ones(4 << 20)\n"
+        "hvd.allreduce(x, name='first')\n"
+        "if hvd.rank() == 1:\n"
+        "    threading.Timer(0.05, lambda: os._exit(7)).start()\n"
+        "for i in range(1000):\n"
+        "    hvd.allreduce(x, name=f'w{i}')\n"
+        "print('finished all steps', flush=True)\n"
+    )
+    env = dict(
+        __import__("os").environ,
+        PYTHONPATH=str(REPO),
+        HOROVOD_DEVICE_PLANE_TEST="gloo",
+    )
+    start = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "horovod.runner.launch", "-np", "2", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert r.returncode != 0
+    assert time.monotonic() - start < 60
+    out = r.stdout + r.stderr
+    assert "finished all steps" not in out
+    assert "rank 1" in out and "7" in out, out[-3000:]

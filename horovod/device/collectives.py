@@ -26,7 +26,7 @@ from horovod.common.dtypes import DTYPE_OF_CODE
 from horovod.core.messages import AVERAGE, MAX, MIN, PRODUCT, SUM, Response
 from horovod.device.arrays import TORCH_OF, DeviceArray, byte_view
 
-REDUCE_OPS = {
+REDUCE_OPS: dict[int, Any] = {
     SUM: dist.ReduceOp.SUM,
     AVERAGE: dist.ReduceOp.SUM,
     MIN: dist.ReduceOp.MIN,
@@ -34,7 +34,7 @@ REDUCE_OPS = {
     PRODUCT: dist.ReduceOp.PRODUCT,
 }
 # bool as uint8: or for Sum/Max, and for Min/Product.
-BOOL_OPS = {SUM: dist.ReduceOp.MAX, MAX: dist.ReduceOp.MAX, MIN: dist.ReduceOp.MIN}
+BOOL_OPS: dict[int, Any] = {SUM: dist.ReduceOp.MAX, MAX: dist.ReduceOp.MAX, MIN: dist.ReduceOp.MIN}
 BOOL_OPS[PRODUCT] = dist.ReduceOp.MIN
 
 

@@ -85,6 +85,7 @@ def bootstrap(
     host, port = bytes(msg).rstrip(b"\0").decode().split("\n")
     store = master or dist.TCPStore(host, int(port), n, False, timeout=timeout)
     prefixed = dist.PrefixStore(f"horovod/{tag}/", store)
+    pg: Any
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False

@@ -185,7 +185,7 @@ def _generic(
     def staged_trace(activity: str | None) -> None:
         trace(None if activity is None else "STAGED_" + activity)
 
-    results = cpu_ops.execute(resp, proxies, view, buffers, staged_trace)
+    results: list[Any] = cpu_ops.execute(resp, proxies, view, buffers, staged_trace)  # type: ignore[arg-type]
     trace("MEMCPY_HOST_TO_DEVICE")
     out: list = []
     for e, r in zip(entries, results, strict=True):

@@ -52,12 +52,12 @@ def ready_event(tensor: torch.Tensor) -> Any:
     """An event on the caller's current stream, marking that ``tensor`` is written (taken at
     submission: later work on that stream does not delay the collective)."""
     if tensor.device.type == "cuda":
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(tensor.device))
-        return ev
-    ev = HostEvent()
-    ev.record("caller")
-    return ev
+        cuda_event = torch.cuda.Event()
+        cuda_event.record(torch.cuda.current_stream(tensor.device))
+        return cuda_event
+    host_event = HostEvent()
+    host_event.record("caller")
+    return host_event
 
 
 def consume(tensor: torch.Tensor, done: Any) -> None:
