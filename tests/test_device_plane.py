@@ -413,3 +413,27 @@ def test_a_rank_lost_during_device_collectives_ends_the_job_with_a_report(tmp_pa
     out = r.stdout + r.stderr
     assert "finished all steps" not in out
     assert "rank 1" in out and "7" in out, out[-3000:]
+
+
+@pytest.mark.e2e
+def test_gpu_benchmark_runs_on_the_stand_in():
+    from conftest import run_module
+
+    r = run_module(
+        "horovod.benchmarks.gpu",
+        "--standin",
+        "--steps",
+        "3",
+        "--sizes",
+        str(1 << 20),
+        "--staged-bytes",
+        str(4 << 20),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stand-in on CPU tensors" in r.stdout
+    assert "x the plain step" in r.stdout
+    staged = next(line for line in r.stdout.splitlines() if line.startswith("staged allreduce"))
+    assert "'device': 0" in staged and "'staged': 0" not in staged
+    rows = [line for line in r.stdout.splitlines() if "torch.distributed Gloo" in line]
+    assert len(rows) == 6  # three ops at 1 and 2 ranks, each with its ratio
