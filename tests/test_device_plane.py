@@ -437,3 +437,87 @@ def test_gpu_benchmark_runs_on_the_stand_in():
     assert "'device': 0" in staged and "'staged': 0" not in staged
     rows = [line for line in r.stdout.splitlines() if "torch.distributed Gloo" in line]
     assert len(rows) == 6  # three ops at 1 and 2 ranks, each with its ratio
+
+
+def _horovodrun_script(tmp_path, np_: int, body: str, timeout: float = 180):
+    import subprocess
+    import sys
+    import textwrap
+
+    from conftest import REPO
+
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(body))
+    env = dict(__import__("os").environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_), sys.executable]
+    return subprocess.run(
+        cmd + [str(script)], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@needs_gpu
+def test_gpu_two_ranks_sharing_the_gpu_take_the_staged_path(tmp_path):
+    r = _horovodrun_script(
+        tmp_path,
+        2,
+        """
+        import torch, horovod.torch as hvd
+        from horovod.core.context import current
+        hvd.init()
+        torch.cuda.set_device(0)
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * (hvd.rank() + 1)
+        s = hvd.allreduce(x, op=hvd.Sum)
+        g = hvd.allgather(x[:3])
+        b = hvd.broadcast(x[:4], 1)
+        ok = bool(torch.equal(s, torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 3))
+        paths = current().engine.device_plane.path_counts
+        print("RESULT", ok, s.device.type, g.tolist(), b.tolist(), paths["staged"] > 0,
+              paths["device"] == 0, flush=True)
+        """,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (
+        "[0]<stdout>:RESULT True cuda [0.0, 1.0, 2.0, 0.0, 2.0, 4.0] [0.0, 2.0, 4.0, 6.0] True True"
+        in r.stdout
+    )
+
+
+@needs_gpu
+@pytest.mark.parametrize("np_", [1, 2])
+def test_gpu_digits_example_trains_on_cuda(tmp_path, np_):
+    from conftest import horovodrun_example
+
+    args = ("--checkpoint", str(tmp_path / "c.pt"), "--epochs", "6", "--min-accuracy", "0.8")
+    r = horovodrun_example(np_, "pytorch_digits.py", *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_gpu
+def test_gpu_cpu_tensor_on_one_rank_cuda_on_the_other_fails_on_both(tmp_path):
+    r = _horovodrun_script(
+        tmp_path,
+        2,
+        """
+        import torch, horovod.torch as hvd
+        hvd.init()
+        torch.cuda.set_device(0)
+        x = torch.ones(3, device="cuda" if hvd.rank() == 1 else "cpu")
+        try:
+            hvd.allreduce(x, name="mixed")
+        except hvd.HorovodInternalError as e:
+            print("REFUSED", "device CPU on rank 0" in str(e), flush=True)
+        """,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("REFUSED True") == 2
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_gpu_tensors_on_two_devices_in_one_grouped_call_are_refused():
+    def body(rank):
+        with pytest.raises(ValueError, match="same device"):
+            hvd.grouped_allreduce([torch.ones(2, device="cuda:0"), torch.ones(2, device="cuda:1")])
+
+    run_ranks(body, 1)
