@@ -33,8 +33,9 @@ ALLOWED: dict[str, set[str]] = {
     "numpy": {"common", "frontend", "elastic"},
     "keras_common": {"common", "frontend", "elastic"},
     "torch": {"common", "core", "frontend", "elastic", "device"},
-    "tensorflow": {"common", "core", "frontend", "keras_common", "elastic"},
-    "jax": {"common", "frontend"},
+    # (torch: GPU tensors to the device plane through horovod.torch, by DLPack)
+    "tensorflow": {"common", "core", "frontend", "keras_common", "elastic", "torch"},
+    "jax": {"common", "frontend", "torch"},  # (torch: GPU arrays to the device plane)
     "mxnet": {"common", "frontend"},
     # Keras 3 on the TensorFlow backend uses horovod.tensorflow's compression
     "keras": {"common", "core", "frontend", "keras_common", "tensorflow", "jax", "elastic"},

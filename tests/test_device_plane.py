@@ -521,3 +521,65 @@ def test_gpu_tensors_on_two_devices_in_one_grouped_call_are_refused():
             hvd.grouped_allreduce([torch.ones(2, device="cuda:0"), torch.ones(2, device="cuda:1")])
 
     run_ranks(body, 1)
+
+
+# --- JAX arrays and TensorFlow tensors reach the same plane (DLPack) ------------------------
+
+
+def _jax_scenario(rank):
+    import jax
+    import jax.numpy as jnp
+
+    import horovod.jax as hj
+
+    x = jnp.arange(6.0) * (rank + 1) + 0.5
+    outs = [
+        hj.allreduce(x, op=hj.Sum),
+        hj.allreduce(x.astype(jnp.bfloat16), op=hj.Average),
+        hj.allgather(x[: rank + 1]),
+        hj.broadcast(x, 1),
+        hj.reducescatter(x, op=hj.Sum),
+        hj.alltoall(x),
+        *hj.grouped_allreduce([x, x[:2] * 2], op=hj.Average),
+        *hj.alltoall(x, splits=[2, 4] if rank == 0 else [3, 3]),
+        jax.grad(lambda w: hj.allreduce(w * (rank + 1), op=hj.Sum).sum())(x),
+        jax.jit(lambda w: hj.allreduce(w, op=hj.Sum))(x),  # traced: a host callback
+    ]
+    return [np.asarray(o).tobytes() for o in outs]
+
+
+def _tf_scenario(rank):
+    import tensorflow as tf
+
+    import horovod.tensorflow as ht
+
+    x = tf.range(6.0) * (rank + 1) + 0.5
+    outs = [
+        ht.allreduce(x, op=ht.Sum),
+        ht.allgather(x[: rank + 1]),
+        ht.broadcast(x, 1),
+        ht.reducescatter(x, op=ht.Sum),
+        ht.alltoall(x),
+        *ht.grouped_allreduce([x, x[:2] * 2], op=ht.Average),
+        *ht.alltoall(x, splits=[2, 4] if rank == 0 else [3, 3]),
+    ]
+    w = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(ht.allreduce(w * (rank + 1), op=ht.Sum))
+    outs.append(tape.gradient(y, w))
+    return [np.asarray(o).tobytes() for o in outs]
+
+
+@pytest.mark.parametrize("framework", ["jax", "tensorflow"])
+def test_jax_and_tensorflow_tensors_take_the_device_plane(framework):
+    pytest.importorskip(framework)
+    scenario = _jax_scenario if framework == "jax" else _tf_scenario
+
+    def body(rank):
+        return scenario(rank), hvd.device_paths()
+
+    cpu = run_ranks(lambda r: scenario(r), 2, timeout=120)
+    dev = run_ranks(body, 2, env=STANDIN, timeout=120)
+    for rank in range(2):
+        assert dev[rank][0] == cpu[rank]
+        assert dev[rank][1]["device"] >= 9  # eager calls went to the plane (jit's did not)

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 from horovod.benchmarks import launch
 
@@ -96,7 +97,7 @@ def worker_optimizer(args) -> dict:
 
         return run
 
-    out = {}
+    out: dict[str, float] = {}
     for _ in range(2):  # alternate, keep each one's best pass
         for name, opt in (("plain", plain), ("horovod", dist)):
             t = _timed(step(opt), device, args.steps)
@@ -123,9 +124,7 @@ def worker_staged(args) -> dict:
     copy_t = _timed(round_trip, device, args.steps)
     hvd.barrier()
     allreduce_t = _timed(lambda: hvd.allreduce_(x, op=hvd.Sum, name="staged"), device, args.steps)
-    from horovod.core.context import current  # (which path the op took, for the table)
-
-    paths = dict(current().engine.device_plane.path_counts)
+    paths = hvd.device_paths()  # (which path the ops took, for the table)
     me = hvd.rank()
     hvd.shutdown()
     result = {"copy_round_trip": copy_t, "allreduce": allreduce_t, "paths": paths}
@@ -142,7 +141,7 @@ def worker_collectives(args) -> dict:
         hvd.init()
         device = _device(args.standin)
         n, me = hvd.size(), hvd.rank()
-        barrier = hvd.barrier
+        barrier: Any = hvd.barrier
 
         def ops(x, part):
             return {

@@ -43,6 +43,7 @@ from horovod.frontend.basics import (
     cuda_built,
     ddl_built,
     device_code,
+    device_paths,
     device_standin,
     gloo_built,
     gloo_enabled,

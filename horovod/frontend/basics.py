@@ -141,6 +141,13 @@ def use_device_plane(make: Callable[[Any, int, int], Any]) -> None:
         engine.device_factory = lambda: make(cfg, me, local)
 
 
+def device_paths() -> dict[str, int]:
+    """How many device responses this rank ran on each path of the device data plane
+    (``{"device": n, "staged": m}``; zeros before the first one)."""
+    plane = require_context().engine.device_plane
+    return dict(plane.path_counts) if plane is not None else {"device": 0, "staged": 0}
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start writing a timeline to ``file_path`` (rank 0 writes; other ranks return at once).
     A timeline already being written is closed first. Works whether or not HOROVOD_TIMELINE

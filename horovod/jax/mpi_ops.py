@@ -1,6 +1,8 @@
 """JAX collectives on pyhorovod's engine, eagerly and inside ``jax.jit``.
 
-Eagerly, an array's NumPy view goes straight to the engine. Inside a traced function
+Eagerly, an array's NumPy view goes straight to the engine; an array on a GPU goes to the
+device data plane instead (docs/gpu.md), as a torch view of the same memory (DLPack) through
+``horovod.torch``: no host copy. Inside a traced function
 (``jax.jit``, ``jax.grad``), each collective is an *ordered* ``io_callback``: XLA runs the
 callbacks of one computation in program order, so every rank reaches its collectives in the
 order they were written (a collective run out of order on one rank would wait for ever).
@@ -16,6 +18,8 @@ Must not touch: the engine's internals (it submits through ``horovod.frontend``)
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -35,14 +39,49 @@ def _traced(*xs: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in xs)
 
 
-def _run(fn: Callable[..., list[np.ndarray]], xs: Sequence[Any], outs: Sequence[Any]) -> list:
-    """``fn`` (NumPy arrays in, a list of arrays out) on ``xs``: now if none is traced, else
-    as an ordered host callback whose results have the shapes and dtypes ``outs``."""
+@functools.cache
+def _have_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def _on_device(xs: Sequence[Any]) -> bool:
+    """Do these (concrete) arrays go to the device data plane: arrays on a GPU, or any array
+    with ``HOROVOD_DEVICE_PLANE_TEST`` (the plane tested without a GPU)?"""
+    if not _have_torch():
+        return False  # without PyTorch, GPU arrays go through host memory
+    if F.device_standin():
+        return True
+    for x in xs:
+        devices = getattr(x, "devices", None)
+        if devices is not None and any(d.platform in ("gpu", "cuda") for d in devices()):
+            return True
+    return False
+
+
+def _device_call(fn: Callable[..., list], xs: Sequence[Any]) -> list:
+    """``fn`` on torch views of ``xs`` (DLPack: no copy, the streams ordered by the
+    protocol) through horovod.torch, so the device data plane moves them; the results come
+    back as JAX arrays the same way."""
+    import torch
+
+    import horovod.torch as api
+
+    results = fn(api, *[torch.from_dlpack(x) for x in xs])
+    return [jnp.from_dlpack(r) for r in results]
+
+
+def _run(fn: Callable[..., list[Any]], xs: Sequence[Any], outs: Sequence[Any]) -> list:
+    """``fn(api, *arrays)`` (a list of arrays out) on ``xs``: now if none is traced, else as
+    an ordered host callback whose results have the shapes and dtypes ``outs``. ``api`` is
+    ``horovod.frontend`` on NumPy arrays, or ``horovod.torch`` on the torch views of arrays
+    that live on a GPU (``_device_call``); the two have the same calls."""
     if not _traced(*xs):
-        return [jnp.asarray(r) for r in fn(*[np.asarray(x) for x in xs])]
+        if _on_device(xs):
+            return _device_call(fn, xs)
+        return [jnp.asarray(r) for r in fn(F, *[np.asarray(x) for x in xs])]
 
     def host(*arrays: Any) -> list[np.ndarray]:
-        results = fn(*[np.asarray(a) for a in arrays])
+        results = fn(F, *[np.asarray(a) for a in arrays])
         return [np.asarray(r, dtype=o.dtype) for r, o in zip(results, outs, strict=True)]
 
     return list(io_callback(host, list(outs), *xs, ordered=True))
@@ -76,8 +115,8 @@ def _allreduce(x: Any, op: int, pre: float, post: float, name: Any, ps: ProcessS
     if _alone(ps, pre, post):
         return x
     return _run(
-        lambda a: [
-            F.allreduce(
+        lambda api, a: [
+            api.allreduce(
                 a, op=op, prescale_factor=pre, postscale_factor=post, name=name, process_set=ps
             )
         ],
@@ -119,7 +158,7 @@ def _grouped_allreduce(xs: tuple, op: int, pre: float, post: float, name: Any, p
     if _alone(ps, pre, post):
         return tuple(xs)
     outs = _run(
-        lambda *arrays: F.grouped_allreduce(
+        lambda api, *arrays: api.grouped_allreduce(
             list(arrays),
             op=op,
             prescale_factor=pre,
@@ -178,7 +217,7 @@ def _gather_shape(x: Any, ps: ProcessSet) -> tuple[int, ...]:
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _allgather(x: Any, name: Any, ps: ProcessSet) -> Any:
     if not _traced(x):
-        return jnp.asarray(F.allgather(np.asarray(x), name=name, process_set=ps))
+        return _run(lambda api, a: [api.allgather(a, name=name, process_set=ps)], [x], [])[0]
 
     def host(a: Any) -> list[np.ndarray]:
         a = np.asarray(a)
@@ -220,7 +259,7 @@ def allgather(
 @partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _broadcast(x: Any, root: int, name: Any, ps: ProcessSet) -> Any:
     return _run(
-        lambda a: [F.broadcast(a, root, name=name, process_set=ps)],
+        lambda api, a: [api.broadcast(a, root, name=name, process_set=ps)],
         [x],
         [_spec(x.shape, x.dtype)],
     )[0]
@@ -259,7 +298,7 @@ def _alltoall_even(x: Any, name: Any, ps: ProcessSet) -> Any:
         )
     even = [x.shape[0] // n] * n
     return _run(
-        lambda a: [F.alltoall(a, even, name=name, process_set=ps)[0]],
+        lambda api, a: [api.alltoall(a, even, name=name, process_set=ps)[0]],
         [x],
         [_spec(x.shape, x.dtype)],
     )[0]
@@ -294,10 +333,11 @@ def alltoall(
             "alltoall with splits inside jax.jit: the output's shape depends on the other "
             "ranks' splits; call it outside jit, or without splits (an even split)"
         )
-    out, received = F.alltoall(
-        np.asarray(x), np.asarray(splits).tolist(), name=name, process_set=process_set
+    sizes = np.asarray(splits).tolist()
+    out, received = _run(
+        lambda api, a: list(api.alltoall(a, sizes, name=name, process_set=process_set)), [x], []
     )
-    return jnp.asarray(out), jnp.asarray(np.asarray(received, np.int32))
+    return out, jnp.asarray(np.asarray(received, np.int32))
 
 
 # ------------------------------------------------------------------------------- reducescatter
@@ -308,8 +348,8 @@ def _reducescatter(x: Any, op: int, pre: float, post: float, name: Any, ps: Proc
     base, extra = divmod(x.shape[0], _set_size(ps))
     rows = base + (1 if _set_rank(ps) < extra else 0)  # the first d0 % n ranks get one more
     return _run(
-        lambda a: [
-            F.reducescatter(
+        lambda api, a: [
+            api.reducescatter(
                 a, op=op, prescale_factor=pre, postscale_factor=post, name=name, process_set=ps
             )
         ],
@@ -326,7 +366,7 @@ def _reducescatter_bwd(op, pre, post, name, ps, shape, ct):  # type: ignore[no-u
     # upstream's: the allgather of the cotangent, times the set size for Sum, and the scales
     n = _set_size(ps)
     gathered = _run(
-        lambda a: [F.allgather(a, name=f"{name}.grad" if name else None, process_set=ps)],
+        lambda api, a: [api.allgather(a, name=f"{name}.grad" if name else None, process_set=ps)],
         [ct],
         [_spec(shape, ct.dtype)],
     )[0]

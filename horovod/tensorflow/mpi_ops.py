@@ -1,6 +1,8 @@
 """TensorFlow collectives on pyhorovod's engine, eagerly and inside ``tf.function``.
 
-Eagerly, a tensor's NumPy view goes straight to the engine. In a graph (``tf.function``), each
+Eagerly, a tensor's NumPy view goes straight to the engine; a tensor on a GPU goes to the
+device data plane instead (docs/gpu.md), as a torch view of the same memory (DLPack) through
+``horovod.torch``. In a graph (``tf.function``), each
 collective is a ``tf.numpy_function`` op; successive collectives of one graph are chained with
 control dependencies so every rank runs them in the order they were written (TensorFlow may
 otherwise run independent ops in any order, and a blocking collective run out of order on one
@@ -28,6 +30,7 @@ from horovod.common.exceptions import CollectiveRejected
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import context as _context
 from horovod.core.messages import ADASUM_OP, AVERAGE, SUM
+from horovod.tensorflow import device_bridge
 from horovod.tensorflow.util import _executing_eagerly  # noqa: F401  (upstream's name here)
 
 # Upstream's ``_basics`` object (user code calls ``_get_process_set_ids_and_ranks()`` on it).
@@ -61,12 +64,18 @@ def _run(
     inputs: Sequence[tf.Tensor],
     touts: Sequence[tf.DType],
     op_name: str,
+    device_ok: bool = True,
 ) -> list[tf.Tensor]:
-    """Run ``fn`` (NumPy arrays in, arrays out) now if eager, else as a graph op."""
+    """Run ``fn(api, *arrays)`` (arrays out) now if eager, else as a graph op. ``api`` is
+    ``horovod.frontend`` on NumPy arrays, or, for eager tensors on a GPU (where
+    ``device_ok``), ``horovod.torch`` on torch views of them (``device_bridge``): the two have
+    the same calls."""
     if tf.executing_eagerly():
-        # np.asarray of a CPU EagerTensor is a view of its buffer: no copy in
         try:
-            outs = fn(*[np.asarray(x) for x in inputs])
+            if device_ok and device_bridge.on_device(inputs):
+                return device_bridge.call(fn, inputs, touts, _to_tensor)
+            # np.asarray of a CPU EagerTensor is a view of its buffer: no copy in
+            outs = fn(F, *[np.asarray(x) for x in inputs])
         except CollectiveRejected as e:  # ranks disagree: TensorFlow's type, as upstream
             raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
         except (ValueError, TypeError) as e:  # a bad argument, such as a root rank
@@ -84,7 +93,7 @@ def _run(
     bound = _context.bind(fn)
 
     def np_fn(*arrays: np.ndarray) -> list[np.ndarray]:
-        return [np.asarray(o) for o in bound(*arrays)]
+        return [np.asarray(o) for o in bound(F, *arrays)]
 
     graph = tf.compat.v1.get_default_graph()
     with tf.control_dependencies(_last_op.get(graph, [])):
@@ -138,9 +147,9 @@ def _allreduce_dense(
 
     @tf.custom_gradient
     def _op(x: tf.Tensor) -> Any:
-        def fn(a: np.ndarray) -> list[np.ndarray]:
+        def fn(api: Any, a: np.ndarray) -> list[np.ndarray]:
             return [
-                F.allreduce(
+                api.allreduce(
                     a,
                     name=name,
                     op=op,
@@ -276,8 +285,8 @@ def _grouped_allreduce_dense(
 ) -> list[tf.Tensor]:
     @tf.custom_gradient
     def _op(*xs: tf.Tensor) -> Any:
-        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-            return F.grouped_allreduce(
+        def fn(api: Any, *arrays: np.ndarray) -> list[np.ndarray]:
+            return api.grouped_allreduce(
                 list(arrays),
                 name=name,
                 op=op,
@@ -317,7 +326,7 @@ def allgather(
     @tf.custom_gradient
     def _op(x: tf.Tensor) -> Any:
         y = _run(
-            lambda a: [F.allgather(a, name=name, process_set=process_set)],
+            lambda api, a: [api.allgather(a, name=name, process_set=process_set)],
             [x],
             [x.dtype],
             "HorovodAllgather",
@@ -361,7 +370,9 @@ def grouped_allgather(
     @tf.custom_gradient
     def _op(*xs: tf.Tensor) -> Any:
         ys = _run(
-            lambda *arrays: F.grouped_allgather(list(arrays), name=name, process_set=process_set),
+            lambda api, *arrays: api.grouped_allgather(
+                list(arrays), name=name, process_set=process_set
+            ),
             list(xs),
             [x.dtype for x in xs],
             "HorovodGroupedAllgather",
@@ -396,7 +407,7 @@ def broadcast(
     @tf.custom_gradient
     def _op(x: tf.Tensor) -> Any:
         y = _run(
-            lambda a: [F.broadcast(a, root_rank, name=name, process_set=process_set)],
+            lambda api, a: [api.broadcast(a, root_rank, name=name, process_set=process_set)],
             [x],
             [x.dtype],
             "HorovodBroadcast",
@@ -469,7 +480,7 @@ def _broadcast_assign(
             v.assign(F.synchronize(h))
         return None
 
-    def fn(*arrays: np.ndarray) -> list[np.ndarray]:
+    def fn(api: Any, *arrays: np.ndarray) -> list[np.ndarray]:
         hs = [
             F.broadcast_async(np.asarray(a), root_rank, name=n, process_set=process_set)
             for a, n in zip(arrays, names, strict=True)
@@ -481,6 +492,7 @@ def _broadcast_assign(
         [tf.convert_to_tensor(v) for v in vs],
         [tf.as_dtype(v.dtype).base_dtype for v in vs],
         "HorovodBroadcastVariables",
+        False,
     )
     for v, x in zip(vs, values, strict=True):
         x.set_shape(v.shape)
@@ -506,13 +518,14 @@ def alltoall(
 
     @tf.custom_gradient
     def _op(*inputs: tf.Tensor) -> Any:
-        def fn(a: np.ndarray, s: np.ndarray | None = None) -> list[np.ndarray]:
+        def fn(api: Any, a: Any, s: Any = None) -> list[Any]:
             n = process_set.size() or 1
             if s is None and a.ndim and a.shape[0] % n == 0:
                 s = np.full(n, a.shape[0] // n)  # even
             if s is None:  # not splittable evenly: the frontend says why
-                return [F.alltoall(a, None, name=name, process_set=process_set), np.zeros(0)]
-            out, received = F.alltoall(a, s.tolist(), name=name, process_set=process_set)
+                return [api.alltoall(a, None, name=name, process_set=process_set), np.zeros(0)]
+            sizes = [int(v) for v in s.tolist()]
+            out, received = api.alltoall(a, sizes, name=name, process_set=process_set)
             return [out, np.asarray(received, np.int32)]
 
         out, received = _run(fn, list(inputs), [inputs[0].dtype, tf.int32], "HorovodAlltoall")
@@ -579,8 +592,8 @@ def grouped_reducescatter(
 
     @tf.custom_gradient
     def _op(*xs: tf.Tensor) -> Any:
-        def fn(*arrays: np.ndarray) -> list[np.ndarray]:
-            return F.grouped_reducescatter(
+        def fn(api: Any, *arrays: np.ndarray) -> list[np.ndarray]:
+            return api.grouped_reducescatter(
                 list(arrays),
                 name=name,
                 op=op,
@@ -658,13 +671,15 @@ def reduce_gradients(
             raise ValueError(f"compression {type(compression).__name__} needs op Average or Sum")
         key = name or "gradients"
 
-        def exchange(*arrays: np.ndarray) -> list[np.ndarray]:
+        def exchange(api: Any, *arrays: np.ndarray) -> list[np.ndarray]:
             outs = compression.reduce(
                 list(arrays), [f"{key}.{i}" for i in dense_idx], op, ps, name=key
             )
             return [o * postscale for o in outs] if postscale != 1.0 else outs
 
-        reduced = _run(exchange, dense, [g.dtype for g in dense], "HorovodCompressedAllreduce")
+        reduced = _run(
+            exchange, dense, [g.dtype for g in dense], "HorovodCompressedAllreduce", False
+        )
         for i, r in zip(dense_idx, reduced, strict=True):
             out[i] = tf.reshape(r, tf.shape(grads[i]) if grads[i] is not None else r.shape)
         return out

@@ -1,7 +1,8 @@
 """``import horovod.torch as hvd``: upstream Horovod's PyTorch API on pyhorovod's engine.
 
-CPU tensors are handed to the engine as views of their own memory (no copies); CUDA tensors go
-through host memory until a GPU data plane exists.
+CPU tensors are handed to the engine as views of their own memory (no copies); CUDA tensors stay
+on their GPU and go to the device data plane (docs/gpu.md; ``device_paths()`` says how many
+ops took which path).
 
 Must not touch: the engine (everything goes through ``horovod.frontend``).
 """
@@ -16,6 +17,7 @@ from horovod.frontend import (
     cross_size,
     cuda_built,
     ddl_built,
+    device_paths,
     get_process_set_ids_and_ranks,
     gloo_built,
     gloo_enabled,
@@ -136,6 +138,7 @@ __all__ = [
     "ddl_built",
     "ccl_built",
     "cuda_built",
+    "device_paths",
     "rocm_built",
     "ProcessSet",
     "global_process_set",
