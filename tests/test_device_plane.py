@@ -227,6 +227,18 @@ def test_process_sets_get_their_own_groups():
     assert all(r[1] == [3.0, 3.0] for r in res)
     assert res[0][2] == res[2][2] == [0, 1] and res[1][2] == [0]
 
+    def removed(rank):  # a removed set's group is released
+        ps = hvd.add_process_set([0, 1])
+        if rank < 2:
+            hvd.allreduce(torch.ones(2), process_set=ps)
+        before = sorted(_plane().groups) if rank < 2 else []
+        hvd.remove_process_set(ps)
+        return before, sorted(_plane().groups) if rank < 2 else []
+
+    env = {**STANDIN, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+    res = run_ranks(removed, 3, env=env)
+    assert res[0][1] == res[1][1] == [] and len(res[0][0]) == 1
+
 
 def test_hierarchical_allreduce_device_within_hosts_cpu_across():
     hosts = ["a", "a", "b", "b"]
@@ -583,3 +595,32 @@ def test_jax_and_tensorflow_tensors_take_the_device_plane(framework):
     for rank in range(2):
         assert dev[rank][0] == cpu[rank]
         assert dev[rank][1]["device"] >= 9  # eager calls went to the plane (jit's did not)
+
+
+def test_build_flags_follow_the_installed_torch(monkeypatch):
+    import importlib.metadata as md
+
+    from horovod.common import util
+    from horovod.runner.launch import check_build
+
+    class Dist:
+        def __init__(self, name):
+            self.metadata = {"Name": name}
+
+    def fake(torch_version, packages):
+        versions = {"torch": torch_version, **packages}
+        monkeypatch.setattr(md, "version", lambda n: versions[n])
+        monkeypatch.setattr(md, "distributions", lambda: [Dist(n) for n in versions])
+        util._torch_gpu_stack.cache_clear()
+
+    try:
+        fake("2.13.0", {"nvidia-cuda-runtime-cu12": "12.8", "nvidia-nccl-cu12": "2.21.5"})
+        assert util.nccl_built() == 22105 and util.cuda_built()
+        assert "[X] NCCL" in check_build()
+        fake("2.13.0+cpu", {})
+        assert util.nccl_built() == 0 and not util.cuda_built()
+        assert "[ ] NCCL" in check_build()
+    finally:
+        monkeypatch.undo()
+        util._torch_gpu_stack.cache_clear()
+    assert util.nccl_built() == 0  # this machine: a CPU build

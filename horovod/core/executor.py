@@ -233,6 +233,8 @@ class Executor(EngineState):
             self.sets.pop(ps_id, None)
             if self.coordinator is not None:
                 self.coordinator.forget_set(ps_id)
+            if self.device_plane is not None:
+                self.device_plane.forget(ps_id)
             self._close_table(f"process set {ps_id} was removed", only_set=ps_id)
             result = True
         for e in entries:

@@ -239,12 +239,15 @@ class DevicePlane:
         dcol.broadcast_flat(buf, 0, local_pg)
         return dcol.fuse_out(resp, entries, buf)
 
+    def forget(self, ps_id: int) -> None:
+        """A removed process set: release its groups."""
+        g = self.groups.pop(ps_id, None)
+        if g is not None:
+            _shutdown(g)
+
     def close(self) -> None:
         for g in list(self.groups.values()):
-            for grp in (g, g.local):
-                if grp is not None and grp.pg is not None and grp.backend == "nccl":
-                    with contextlib.suppress(Exception):
-                        grp.pg.shutdown()
+            _shutdown(g)
         self.groups.clear()
 
     def abort(self) -> None:
@@ -254,6 +257,17 @@ class DevicePlane:
                 if grp is not None and grp.pg is not None and grp.backend == "nccl":
                     with contextlib.suppress(Exception):
                         grp.pg.abort()
+
+
+def _shutdown(g: SetGroup) -> None:
+    """Release a set's process groups (NCCL's communicators; Gloo's go with the object)."""
+    for grp in (g, g.local):
+        if grp is not None and grp.pg is not None and grp.backend == "nccl":
+            with contextlib.suppress(Exception):
+                grp.pg.shutdown()
+        if grp is not None:
+            grp.pg = None
+            grp.stores.clear()
 
 
 def _gather_records(view: Any, mine: bytes) -> list[bytes]:
