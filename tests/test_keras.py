@@ -146,3 +146,68 @@ print("minimize", float(w2.numpy()[0]))
     assert values == ["-6.0", "-6.0"], out.stdout
     assert out.stdout.count("helper LocalGradientAggregationHelper") == 2, out.stdout
     assert re.findall(r"minimize (\S+)", out.stdout) == ["-0.5", "-0.5"], out.stdout
+
+
+XLA_SCRIPT = """
+import numpy as np
+import horovod.keras as hvd
+import keras
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+hvd.init()
+
+
+def fit(jit, custom_step=False):
+    keras.utils.set_random_seed(0)  # the same initial weights on every rank and in both runs
+    cls = keras.Sequential
+    if custom_step:  # a train_step of its own: Keras's train function, unchanged
+        class Stepped(keras.Sequential):
+            def train_step(self, data):
+                return super().train_step(data)
+        cls = Stepped
+    model = cls([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit,
+        steps_per_execution=2,
+    )
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    h = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
+    return model, h.history["loss"]
+
+
+compiled, loss = fit(True)
+plain, _ = fit(False)
+close = all(
+    np.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(compiled.get_weights(), plain.get_weights())
+)
+digest = hvd.allgather(np.array([sum(float(np.sum(w)) for w in compiled.get_weights())]))
+print("xla", compiled.jit_compile, "close", close, "identical", len(set(digest.tolist())) == 1,
+      "decreasing", loss[-1] < loss[0], flush=True)
+try:
+    fit(True, custom_step=True)
+    print("custom: no error")
+except Exception as e:
+    print("custom:", type(e).__name__, "cannot run inside an XLA-compiled function" in str(e))
+"""
+
+
+def test_keras3_tensorflow_under_xla_reduces_outside_the_compiled_parts():
+    """model.compile(jit_compile=True) (what "auto" resolves to on a GPU): the forward and
+    backward pass and the optimizer's update run compiled, the reduction between them; the
+    weights are those of the uncompiled run."""
+    missing = [m for m in ("keras", "tensorflow") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+    out = run_script(
+        XLA_SCRIPT, env={"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=300
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert out.stdout.count("xla True close True identical True decreasing True") == 2, text[-4000:]
+    assert out.stdout.count("custom: ValueError True") == 2, text[-4000:]

@@ -86,9 +86,9 @@ def _run(
             f"{op_name}: Horovod's collectives cannot run inside an XLA-compiled function "
             "(tf.function(jit_compile=True)): XLA cannot call back into Python. Compile the "
             "model's computation with XLA and call the collective (or "
-            "DistributedGradientTape.gradient) outside it; with Keras, "
-            "model.compile(jit_compile=False) (its default, 'auto', compiles only where a GPU "
-            "is present)"
+            "DistributedGradientTape.gradient) outside it. Keras 3's model.fit does this by "
+            "itself for Horovod's DistributedOptimizer with Keras's own train_step; a custom "
+            "train_step or Keras 2 needs model.compile(jit_compile=False) (docs/tensorflow.md)"
         )
     bound = _context.bind(fn)
 

@@ -36,7 +36,7 @@ from horovod.keras_common.local import local_weights
 from horovod.tensorflow import mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import LocalGradientAggregationHelper
-from horovod.tensorflow.keras import callbacks, elastic
+from horovod.tensorflow.keras import callbacks, elastic, xla_split
 from horovod.tensorflow.mpi_ops import Adasum, Average, Sum
 
 
@@ -177,6 +177,8 @@ def DistributedOptimizer(
         methods["_backend_update_step"] = _update_step
     elif keras3:
         methods["apply"] = _apply
+        # under XLA (jit_compile), Keras's train step reduces outside the compiled parts
+        xla_split.install()
     elif backward_passes_per_step > 1:
         methods["apply_gradients"] = _apply_gradients_aggregated
     else:
