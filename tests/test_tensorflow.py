@@ -338,6 +338,46 @@ def test_collectives_inside_xla_say_what_to_do():
     assert run_ranks(body, 2) == [[4.0, 8.0]] * 2
 
 
+def test_xla_clusters_around_the_collectives_with_jit_scope():
+    """Inside tf.function, tf.xla.experimental.jit_scope() (or TensorFlow's autoclustering)
+    compiles the computation with XLA and leaves Horovod's collectives outside the clusters:
+    a custom loop with DistributedGradientTape gives the uncompiled loop's weights."""
+
+    def body(rank):
+        def make_step(scoped):
+            w = tf.Variable([[1.0, -2.0], [0.5, 3.0]])
+            opt = tf.keras.optimizers.SGD(0.1)
+
+            @tf.function
+            def step(x):
+                with tf.xla.experimental.jit_scope(compile_ops=scoped):
+                    with tf.GradientTape() as tape:
+                        loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)) ** 2)
+                    tape = hvd.DistributedGradientTape(tape)
+                    grads = tape.gradient(loss, [w])
+                    opt.apply_gradients(zip(grads, [w], strict=True))
+                return loss
+
+            return w, step
+
+        out = []
+        for scoped in (True, False):
+            w, step = make_step(scoped)
+            for i in range(3):
+                step(tf.constant([[1.0 + rank, 0.5 * i]]))
+            out.append(w.numpy())
+            if scoped:  # the model's ops are marked for XLA, the collective is a host op
+                graph = step.get_concrete_function(tf.constant([[1.0, 0.0]])).graph
+                ops = graph.get_operations()
+                marked = {op.type for op in ops if op.node_def.attr["_XlaCompile"].b}
+                assert "MatMul" in marked and "Tanh" in marked, marked
+                assert any(op.type in ("PyFunc", "PyFuncStateless") for op in ops)
+        return out
+
+    for compiled, plain in run_ranks(body, 2):
+        np.testing.assert_allclose(compiled, plain, rtol=1e-6)
+
+
 def line_of(marker: str) -> int:
     from pathlib import Path
 

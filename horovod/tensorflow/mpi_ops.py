@@ -86,9 +86,11 @@ def _run(
             f"{op_name}: Horovod's collectives cannot run inside an XLA-compiled function "
             "(tf.function(jit_compile=True)): XLA cannot call back into Python. Compile the "
             "model's computation with XLA and call the collective (or "
-            "DistributedGradientTape.gradient) outside it. Keras 3's model.fit does this by "
-            "itself for Horovod's DistributedOptimizer with Keras's own train_step; a custom "
-            "train_step or Keras 2 needs model.compile(jit_compile=False) (docs/tensorflow.md)"
+            "DistributedGradientTape.gradient) outside it: tf.function with "
+            "tf.xla.experimental.jit_scope() around the step compiles everything but the "
+            "collectives. Keras 3's model.fit does this by itself for Horovod's "
+            "DistributedOptimizer with Keras's own train_step; a custom train_step or Keras 2 "
+            "needs model.compile(jit_compile=False) (docs/tensorflow.md)"
         )
     bound = _context.bind(fn)
 
