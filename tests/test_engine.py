@@ -1010,6 +1010,38 @@ def test_express_allreduces_too_large_for_a_data_round_run_on_the_data_plane(n):
         _stop_all(engines)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_express_broadcasts_too_large_for_a_data_round_run_on_the_data_plane(n):
+    """Synchronous broadcasts above the board's data room take the express way once cached,
+    as large allreduces do: a plane round, then the broadcast on the data plane from the
+    calling thread, with no entry. In place and into a new array, from every root."""
+    from horovod.core.messages import BROADCAST
+
+    engines = _shm_engines(n)
+    for e in engines:
+        e.spin_s = 0.05
+    try:
+
+        def rank(r, eng):
+            for step in range(12):
+                root = step % n
+                x = np.full(300_000, 10 * r + step, np.int32)  # 1.2 MB: past the board
+                out, _ = _sync(eng, BROADCAST, f"b{root}", x, x, root=root)
+                assert out is x and (x == 10 * root + step).all(), (r, step)
+                y = np.full(300_000, 10 * r + step, np.int32)
+                got, _ = _sync(eng, BROADCAST, f"c{root}", y, None, root=root)
+                assert got is not y and (got == 10 * root + step).all(), (r, step)
+                assert (y == 10 * r + step).all()  # the input of a new-array broadcast
+                assert not eng.table and eng.express_key is None
+
+        _race(rank, engines, 60)
+        for e in engines:
+            # The first call of each name negotiates at rank 0; most others go express.
+            assert e.stats["express_plane"] >= 8, e.stats
+    finally:
+        _stop_all(engines)
+
+
 def test_an_express_plane_round_meets_a_peer_that_submitted_the_op():
     """Rank 0 reduces a large cached op the express way while rank 1 submits it (the
     general path posts the same plane round): both run it on the data plane while rank 1

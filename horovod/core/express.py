@@ -180,15 +180,16 @@ class ExpressPaths(Driving):
             self.express_key = None
             return NOT_EXPRESS
         resp: Response | None = None
-        plane = False  # an allreduce too large for a data round: a plane round
+        plane = False  # an allreduce or broadcast too large for a data round: a plane round
+        planes = op == ALLREDUCE or op == BROADCAST
         try:
-            if self._may_post(op, arr.nbytes, plane=op == ALLREDUCE):
+            if self._may_post(op, arr.nbytes, plane=planes):
                 live = cache.live[cid]
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
                 data = max(sizes) <= self.board_data and (
                     op != ALLREDUCE or arr.nbytes <= self.round_budget
                 )
-                if data or op == ALLREDUCE:
+                if data or planes:
                     plane = not data
                     resp = live  # (set last: nothing after it can raise)
         finally:
@@ -214,7 +215,7 @@ class ExpressPaths(Driving):
                 ):
                     board.open = False
                     if plane:
-                        assert out is not None  # (made above for an allreduce)
+                        assert out is not None  # (made above for an allreduce, a broadcast)
                         result = self._express_plane(resp, arr, out)
                     else:
                         result = self._express_result(op, resp, arr, out, posts, outk)
@@ -308,7 +309,8 @@ class ExpressPaths(Driving):
         return out  # type: ignore[no-any-return]
 
     def _express_plane(self, resp: Response, arr: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """An express allreduce's plane round, decided: run it on the data plane into
+        """An express allreduce's or broadcast's plane round, decided: run it on the data
+        plane into
         ``out`` as ``_run_plane_round`` would run the op's entry (the same response, buffers
         and algorithm: the same bits), without one."""
         stats = self.stats
