@@ -171,10 +171,15 @@ def test_host_stand_in_refuses_what_would_race_on_a_gpu():
 
 def test_distributed_optimizer_sync_batch_norm_and_fp16_match_the_cpu_planes():
     def body(rank):
-        torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(6, 8), hvd.SyncBatchNorm(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
         )
+        # (rank threads share torch's global generator: initialise from one of our own, so
+        # that both runs start from the same weights)
+        init = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=init) * 0.3)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1),
