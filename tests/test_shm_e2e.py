@@ -29,6 +29,11 @@ def test_ranks_on_one_host_use_shared_memory_and_tcp_when_disabled():
     assert out.stdout.count("transport ShmTransport") == 2
     out = run_script(script, env={"HOROVOD_SHARED_MEMORY": "0"})
     assert out.returncode == 0, out.stderr
+    assert out.stdout.count("transport PolledTcpTransport") == 2  # (TCP, control polled)
+    out = run_script(
+        script, env={"HOROVOD_SHARED_MEMORY": "0", "HOROVOD_TCP_POLLED_CONTROL": "0"}
+    )
+    assert out.returncode == 0, out.stderr
     assert out.stdout.count("transport TcpTransport") == 2
 
 

@@ -20,9 +20,10 @@ from horovod.transport.base import Scratch, as_bytes
 from horovod.transport.loopback import LoopbackWorld
 from horovod.transport.shm import ShmTransport
 from horovod.transport.tcp import TcpTransport
+from horovod.transport.tcp_polled import PolledTcpTransport
 
 SECRET = b"k" * 32
-KINDS = ["loopback", "tcp", "shm", "shm-direct"]
+KINDS = ["loopback", "tcp", "tcp-polled", "shm", "shm-direct"]
 CHUNK = 4096  # small slots: every larger message is cut into many chunks and wraps around
 
 
@@ -53,6 +54,8 @@ def _make(
             t = TcpTransport(
                 r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
             )
+            if kind == "tcp-polled":
+                t = PolledTcpTransport(t, spin_us, oversubscribed=False)
             if kind.startswith("shm"):
                 t = ShmTransport(
                     t,

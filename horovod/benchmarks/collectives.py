@@ -4,7 +4,8 @@
     python -m horovod.benchmarks.collectives --np 4 --peers ours,gloo --max-bytes 16M
 
 Peers: ``ours`` (pyhorovod as it runs by default: shared memory between ranks on one host),
-``ours-tcp`` (the same with HOROVOD_SHARED_MEMORY=0, the path between hosts), ``ours-mpi``
+``ours-tcp`` (the same with HOROVOD_SHARED_MEMORY=0, the path between hosts; compared with
+``mpi-tcp``, Open MPI over TCP alone, and ``gloo`` in ratio columns of its own), ``ours-mpi``
 (the same under mpirun with HOROVOD_CPU_OPERATIONS=mpi: the MPI data plane, compared with
 ``mpi`` in its own ratio column), ``gloo`` (torch.distributed), ``mpi`` (Open MPI through
 mpi4py). A ``memcpy`` column gives one process
@@ -155,6 +156,8 @@ PEERS = {
     "ours-mpi": ("mpirun", "ours", {"HOROVOD_CPU_OPERATIONS": "mpi"}),
     "gloo": ("torchrun", "gloo", {}),
     "mpi": ("mpirun", "mpi", {}),
+    # Open MPI over TCP alone (pml ob1, btl tcp,self): the reference for the TCP plane
+    "mpi-tcp": ("mpirun-tcp", "mpi", {}),
 }
 
 
@@ -180,7 +183,7 @@ def available(peer: str) -> str | None:
         return f"unknown peer (choose from {', '.join(PEERS)})"
     if peer == "gloo" and importlib.util.find_spec("torch") is None:
         return "torch is not installed (pip install torch)"
-    if peer in ("mpi", "ours-mpi"):
+    if peer in ("mpi", "ours-mpi", "mpi-tcp"):
         if importlib.util.find_spec("mpi4py") is None:
             return "mpi4py is not installed (pip install mpi4py)"
         if shutil.which("mpirun") is None:
@@ -242,6 +245,8 @@ def ratio_columns(peers: list[str]) -> list[tuple[str, str]]:
     baseline (``--baseline``), the baseline against the same peers, and each of our paths
     against the baseline's run of it (the change's own effect)."""
     mpi_cost = [("ours-mpi", "mpi")] if "ours-mpi" in peers and "mpi" in peers else []
+    # the TCP plane against the peers that move bytes over TCP too
+    mpi_cost += [("ours-tcp", p) for p in ("mpi-tcp", "gloo") if "ours-tcp" in peers and p in peers]
     if "ours" not in peers:
         return mpi_cost  # the MPI plane's cost over raw mpi4py
     mine = [p for p in peers if not p.startswith("base")]

@@ -66,8 +66,8 @@ def command(
     launcher: str, np_: int, module_args: list[str], extra_env: dict[str, str] | None = None
 ) -> tuple[list[str], dict]:
     """The command that runs ``python -m <module_args>`` on ``np_`` ranks with ``launcher``:
-    ``horovodrun``, ``torchrun`` (torch.distributed.run), ``mpirun`` or ``none`` (one plain
-    process)."""
+    ``horovodrun``, ``torchrun`` (torch.distributed.run), ``mpirun``, ``mpirun-tcp`` (Open MPI
+    over TCP alone) or ``none`` (one plain process)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(extra_env or {}))
     # a module, or a script by its path (a worker that a baseline checkout may not have)
     me = [sys.executable, *([] if module_args[0].endswith(".py") else ["-m"]), *module_args]
@@ -87,16 +87,16 @@ def command(
             "-m",
             *module_args,
         ], env
-    if launcher == "mpirun":
+    if launcher in ("mpirun", "mpirun-tcp"):
+        # mpirun-tcp: Open MPI over TCP alone (ob1 with the tcp and self transports)
+        transports = ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self"]
         return [
             "mpirun",
             "--allow-run-as-root",
             "--oversubscribe",
             "-np",
             str(np_),
-            "--mca",
-            "btl",
-            "self,vader,tcp",
+            *(transports if launcher == "mpirun-tcp" else ["--mca", "btl", "self,vader,tcp"]),
             *me,
         ], env
     raise ValueError(f"unknown launcher {launcher!r}")

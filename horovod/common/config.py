@@ -275,6 +275,13 @@ class Config:
         True,
         "Move data between ranks on the same host through shared memory (TCP otherwise).",
     )
+    tcp_polled_control: bool = _knob(
+        "HOROVOD_TCP_POLLED_CONTROL",
+        True,
+        "Where ranks talk over TCP only (no shared memory between them), the thread that "
+        "waits for a result reads the control connections itself instead of reader threads "
+        "handing messages to the engine thread (small operations pay no thread hand-offs).",
+    )
     shm_chunk_bytes: int = _knob(
         "HOROVOD_SHM_CHUNK_BYTES",
         1024 * 1024,

@@ -395,6 +395,8 @@ class Context:
                 transport = self._with_mpi(cfg, store, scope, transport, mpi)
             elif spec is None and cfg.size > 1 and cfg.shared_memory:
                 transport = self._with_shared_memory(cfg, store, scope, transport)
+            if spec is None and cfg.size > 1 and cfg.tcp_polled_control:
+                transport = self._with_polled_tcp(cfg, transport)
             transport.hosts = list(self.hostnames)
             # Ranks on rank 0's host whose stacks can be dumped with SIGUSR1 (faulthandler),
             # for the hang doctor when a rank is too busy in C code to answer.
@@ -569,6 +571,18 @@ class Context:
             timeout=cfg.timeout_seconds,
             single_copy=cfg.shm_single_copy_bytes,
             outputs=cfg.output_pool_bytes > 0 and pool._refcounts_are_exact(),
+        )
+
+    def _with_polled_tcp(self, cfg: Config, transport: Transport) -> Transport:
+        """TCP alone (no shared memory wraps it): its control read by the polling thread."""
+        from horovod.transport.tcp import TcpTransport
+        from horovod.transport.tcp_polled import PolledTcpTransport
+
+        if type(transport) is not TcpTransport:
+            return transport
+        here = Counter(self.hostnames)[self.hostnames[cfg.rank]]
+        return PolledTcpTransport(
+            transport, cfg.spin_microseconds, oversubscribed=here > (os.cpu_count() or 1)
         )
 
     @staticmethod

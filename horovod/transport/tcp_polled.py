@@ -1,0 +1,269 @@
+"""TCP with polled control: the thread that waits for a result reads the control
+connections itself.
+
+A plain ``TcpTransport`` reads each control connection on a thread of its own and hands every
+message to the engine thread, which hands results to the waiting thread: three thread
+hand-offs on each rank for one small operation, and on a busy machine each costs tens of
+microseconds (a thread that wakes must get a core and the GIL). ``PolledTcpTransport`` is a
+``PolledTransport`` over the same connections: whichever thread runs the engine (the waiting
+thread while it spins, else the engine thread) reads the control sockets without blocking, so
+a small operation's messages go from socket to socket with no hand-off at all. The engine
+thread, when it runs the engine, sleeps in ``poll`` on the sockets and a wake-up pipe.
+
+It wraps a connected ``TcpTransport`` (its data plane, handshakes, authentication and abort
+stay the inner transport's) and never starts the inner transport's control readers. A lost
+peer is seen when its connection reads EOF or fails, by the thread polling, and reported to the
+engine as the reader threads report it (``handler(peer, None)``), after the messages that
+arrived before it.
+
+Must not touch: the engine, the shared-memory plane (which wraps TCP the same way for the
+ranks on other hosts and keeps reader threads for those).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from horovod.common.exceptions import TransportError
+from horovod.transport.base import CtrlHandler, Message, PolledTransport
+from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
+
+_CHUNK = 1 << 16
+
+
+class PolledTcpTransport(PolledTransport):
+    """``inner``'s data plane; its control connections read by the polling thread."""
+
+    kind = "TCP"
+
+    def __init__(self, inner: TcpTransport, spin_us: float, oversubscribed: bool) -> None:
+        self.inner = inner
+        self.rank, self.size = inner.rank, inner.size
+        self.spin_s = spin_us / 1e6
+        self.oversubscribed = oversubscribed
+        self._socks: dict[int, socket.socket] = dict(inner._ctrl)
+        self._bufs: dict[int, bytearray] = {p: bytearray() for p in self._socks}
+        self._dead: set[int] = set()
+        self._handler: CtrlHandler | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = select.poll()
+        self._fds = {s.fileno(): p for p, s in self._socks.items()}
+        for fd in self._fds:
+            self._poller.register(fd, select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._pending: dict[int, list[memoryview]] = {}  # control frames waiting for room
+
+    # ---------------------------------------------------------------- data plane: inner's
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        self.inner.exchange(sends, recvs)
+
+    def __getattr__(self, name: str) -> Any:  # the rest of TcpTransport's surface
+        return getattr(self.inner, name)
+
+    @property
+    def aborted(self) -> str | None:
+        return self.inner.aborted
+
+    # ---------------------------------------------------------------- control plane
+    def send_ctrl(self, peer: int, payload: bytes) -> None:
+        """Send without blocking: what the socket does not take now waits in this peer's
+        backlog, flushed by the polling thread (two ranks sending to each other at once
+        while neither reads would otherwise block both for good)."""
+        sock = self._socks.get(peer)
+        if sock is None:
+            raise TransportError(f"no control connection to rank {peer}", peer)
+        frame = memoryview(FRAME.pack(len(payload)) + payload)
+        with self._send_lock:
+            queue = self._pending.get(peer)
+            if queue:
+                queue.append(frame)
+                return
+            try:
+                n = sock.send(frame, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError as e:
+                raise self.inner.lost(peer, e) from None
+            if n < frame.nbytes:
+                self._pending[peer] = [frame[n:]]
+        if n < frame.nbytes:
+            self.kick()  # a sleeping engine thread must start waiting for room too
+
+    send_fast = send_ctrl
+
+    def _flush(self) -> None:
+        """Send what the backlogs hold, as far as the sockets take it now."""
+        with self._send_lock:
+            for peer in list(self._pending):
+                queue = self._pending[peer]
+                sock = self._socks[peer]
+                while queue:
+                    frame = queue[0]
+                    try:
+                        n = sock.send(frame, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as e:
+                        raise self.inner.lost(peer, e) from None
+                    if n < frame.nbytes:
+                        queue[0] = frame[n:]
+                        break
+                    queue.pop(0)
+                if not queue:
+                    del self._pending[peer]
+
+    def start_ctrl(self, handler: CtrlHandler) -> None:
+        self._handler = handler  # no reader threads: the polling thread reads
+
+    def is_fast(self, peer: int) -> bool:
+        return True
+
+    def poll_fast(self) -> list[tuple[int, bytes]]:
+        if self._pending:
+            self._flush()
+        got: list[tuple[int, bytes]] = []
+        lost: list[int] = []
+        for peer, sock in self._socks.items():
+            if peer in self._dead:
+                continue
+            buf = self._bufs[peer]
+            while True:
+                try:
+                    chunk = sock.recv(_CHUNK, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    lost.append(peer)
+                    break
+                buf += chunk
+                if len(chunk) < _CHUNK:
+                    break
+            while len(buf) >= FRAME.size:
+                (n,) = FRAME.unpack_from(buf)
+                if n > MAX_FRAME:  # not our protocol: treat the peer as lost
+                    lost.append(peer)
+                    buf.clear()
+                    break
+                end = FRAME.size + n
+                if len(buf) < end:
+                    break
+                got.append((peer, bytes(buf[FRAME.size : end])))
+                del buf[:end]
+        for peer in lost:
+            if peer not in self._dead:
+                self._dead.add(peer)
+                try:  # (the engine thread's sleep must not wake for it again)
+                    self._poller.unregister(self._socks[peer].fileno())
+                except (KeyError, OSError, ValueError):
+                    pass
+                if self._handler is not None:
+                    self._handler(peer, None)  # (after this batch's messages: via the inbox)
+        return got
+
+    def _readable(self, timeout_ms: int) -> list[int]:
+        """Control peers with data (or EOF) within ``timeout_ms``; drains the wake pipe."""
+        ready = []
+        for fd, _ in self._poller.poll(timeout_ms):
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            else:
+                ready.append(self._fds[fd])
+        return ready
+
+    def fast_pending(self) -> bool:
+        if any(len(b) >= FRAME.size for b in self._bufs.values()):
+            return True
+        # (a poll object of its own: the engine thread may be sleeping in ``_poller``, and
+        # one poll object cannot be polled by two threads at once)
+        check = self._poll_object()
+        try:
+            return bool(check.poll(0))
+        except (OSError, ValueError):
+            return False
+
+    def _poll_object(self, wake: bool = False) -> Any:
+        """A poll object for the live control sockets: readable, or writable where a
+        backlog waits for room; and the wake-up pipe if ``wake``."""
+        p = select.poll()
+        pending = self._pending
+        for peer, sock in self._socks.items():
+            if peer not in self._dead:
+                p.register(sock, select.POLLIN | (select.POLLOUT if peer in pending else 0))
+        if wake:
+            p.register(self._wake_r, select.POLLIN)
+        return p
+
+    def ctrl_idle(self) -> bool:
+        return not self._pending and not self.fast_pending()
+
+    def set_driving(self, on: bool) -> None:
+        """Nothing to publish: a peer's message wakes whoever polls the socket."""
+
+    def kick(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending) or closed
+
+    def sleep(self, timeout: float | None, busy: Callable[[], bool]) -> None:
+        if busy() or self.fast_pending():
+            return
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        try:
+            if self._pending:  # wait for room too (a poll object of the moment)
+                self._poll_object(wake=True).poll(ms)
+                self._drain_wake()
+            else:
+                self._readable(ms)
+        except (OSError, ValueError):
+            pass  # closed meanwhile
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def nap(self, seconds: float) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        try:
+            if poller.poll(max(0, int(seconds * 1000))):
+                while os.read(self._wake_r, 4096):
+                    pass
+        except (BlockingIOError, OSError, ValueError):
+            pass
+
+    # ---------------------------------------------------------------- teardown
+    def abort(self, reason: str) -> None:
+        self.inner.abort(reason)
+        self.kick()
+
+    def close(self) -> None:
+        self.inner.close()
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self._wake_r, self._wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
