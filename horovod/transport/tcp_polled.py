@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from horovod.common.exceptions import TransportError
-from horovod.transport.base import CtrlHandler, Message, PolledTransport
+from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
 from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
 
 _CHUNK = 1 << 16
@@ -66,6 +66,25 @@ class PolledTcpTransport(PolledTransport):
     # ---------------------------------------------------------------- data plane: inner's
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
         self.inner.exchange(sends, recvs)
+
+    def exchange_reduce(
+        self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]
+    ) -> None:
+        self.inner.exchange_reduce(sends, recvs, reduces)
+
+    def exchange_copy(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        copies: Sequence[tuple[memoryview, memoryview]],
+    ) -> None:
+        self.inner.exchange_copy(sends, recvs, copies)
+
+    def exchange_oneway(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        self.inner.exchange_oneway(sends, recvs)
+
+    def exchange_pair(self, peer: int, mv: memoryview, send: bool) -> None:
+        self.inner.exchange_pair(peer, mv, send)
 
     def __getattr__(self, name: str) -> Any:  # the rest of TcpTransport's surface
         return getattr(self.inner, name)
