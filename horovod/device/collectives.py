@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -215,8 +216,6 @@ def broadcast_flat(t: torch.Tensor, root: int, pg: Any) -> None:
 def alltoall(resp: Response, e: Any, pg: Any, view: Any, device: torch.device) -> list:
     """Rows by ``e.splits``; the received counts are exchanged on the CPU plane first (the
     engine's own negotiation does not carry them)."""
-    import numpy as np
-
     np_dtype = DTYPE_OF_CODE[resp.dtype]
     shape = e.array.shape
     row = math.prod(shape[1:]) * np_dtype.itemsize
