@@ -166,6 +166,9 @@ class DevicePlane:
             for e in entries:
                 if e is not None:
                     self.streams.wait_ready(e.array.tensor, e.array.ready)
+                    out = e.output
+                    if out is not None and out is not e.array:
+                        self.streams.keep(out.tensor)  # written on the plane's stream
             if path == "staged":
                 results = staged.execute(
                     resp, entries, view, self.stage, self.fusion, buffers, trace, self.device

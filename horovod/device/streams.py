@@ -97,6 +97,11 @@ class CudaStreams:
             self.stream.wait_event(ready)
         tensor.record_stream(self.stream)
 
+    def keep(self, tensor: torch.Tensor) -> None:
+        """The allocator keeps ``tensor``'s memory until the plane's work on it is done (an
+        output the caller might drop before synchronising)."""
+        tensor.record_stream(self.stream)
+
     def record(self) -> Any:
         ev = torch.cuda.Event()
         ev.record(self.stream)
@@ -129,6 +134,9 @@ class HostStreams:
                 "recorded"
             )
         self.log.append(("wait", ready.id))
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        pass  # one stream of work on the host: nothing can be reused early
 
     def record(self) -> HostEvent:
         ev = HostEvent()
