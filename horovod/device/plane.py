@@ -91,9 +91,8 @@ class SetGroup:
 class DevicePlane:
     """Device responses of one rank (see the module docstring)."""
 
-    def __init__(self, config: Config, rank: int, local_rank: int, hierarchical: bool) -> None:
+    def __init__(self, config: Config, local_rank: int, hierarchical: bool) -> None:
         self.config = config
-        self.rank = rank
         self.device = plane_device(config, local_rank)
         self.standin = bool(config.device_plane_test)
         self.backend = "gloo" if self.standin else "nccl"

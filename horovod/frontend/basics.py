@@ -130,15 +130,15 @@ def device_code(index: int, visible: int) -> int:
     return DEVICE if index == expected else wrong_device_code(index, expected)
 
 
-def use_device_plane(make: Callable[[Any, int, int], Any]) -> None:
-    """Give this rank's engine the maker of its device data plane, ``make(config, rank,
+def use_device_plane(make: Callable[[Any, int], Any]) -> None:
+    """Give this rank's engine the maker of its device data plane, ``make(config,
     local_rank)`` (called on the first device response; a framework package with device
     tensors installs it before submitting one)."""
-    engine = require_context().engine
+    ctx = require_context()
+    engine = ctx.engine
     if engine.device_factory is None:
-        ctx = require_context()
-        cfg, me, local = ctx.config, ctx.rank, ctx.local_rank
-        engine.device_factory = lambda: make(cfg, me, local)
+        cfg, local = ctx.config, ctx.local_rank
+        engine.device_factory = lambda: make(cfg, local)
 
 
 def device_paths() -> dict[str, int]:

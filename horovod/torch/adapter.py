@@ -51,10 +51,10 @@ def device_of(t: torch.Tensor) -> int:
     return CPU_DEVICE
 
 
-def make_device_plane(config: Any, rank: int, local_rank: int) -> Any:
+def make_device_plane(config: Any, local_rank: int) -> Any:
     from horovod.device.plane import DevicePlane
 
-    return DevicePlane(config, rank, local_rank, config.hierarchical_allreduce)
+    return DevicePlane(config, local_rank, config.hierarchical_allreduce)
 
 
 def _device_array(t: torch.Tensor) -> Any:
