@@ -30,9 +30,7 @@ def test_ranks_on_one_host_use_shared_memory_and_tcp_when_disabled():
     out = run_script(script, env={"HOROVOD_SHARED_MEMORY": "0"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("transport PolledTcpTransport") == 2  # (TCP, control polled)
-    out = run_script(
-        script, env={"HOROVOD_SHARED_MEMORY": "0", "HOROVOD_TCP_POLLED_CONTROL": "0"}
-    )
+    out = run_script(script, env={"HOROVOD_SHARED_MEMORY": "0", "HOROVOD_TCP_POLLED_CONTROL": "0"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("transport TcpTransport") == 2
 
@@ -488,8 +486,13 @@ def test_the_optimizers_last_bucket_is_reduced_the_express_way_with_exact_averag
             assert sum(counts) >= 4, (env, counts)  # the general way)
 
 
+# Peer rounds on shared memory, and over TCP alone (board connections: ``tcp_board``).
+PLANES = {"shm": {}, "tcp": {"HOROVOD_SHARED_MEMORY": "0"}}
+
+
+@pytest.mark.parametrize("plane", sorted(PLANES))
 @pytest.mark.parametrize("np_", [2, 3])
-def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
+def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane):
     """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer
     truncation, a grouped op) run as peer rounds by default (the synchronous ones without
     being submitted, the express way): every rank computes the result itself, and it must be bit
@@ -538,7 +541,7 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
             False,
         ),
     ]:
-        out = run_script(script, np_=np_, env=env, timeout=120)
+        out = run_script(script, np_=np_, env={**env, **PLANES[plane]}, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         found = re.findall(r"digest (\d) (\w+) rounds (\d+) express (\d+)", out.stdout)
         assert len(found) == np_, out.stdout
@@ -555,8 +558,9 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_):
     assert len(set(digests.values())) == 1, digests
 
 
+@pytest.mark.parametrize("plane", sorted(PLANES))
 @pytest.mark.parametrize("np_", [2, 3])
-def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_):
+def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
     """With peer rounds every cached op of the global set skips rank 0: small allgathers and
     broadcasts carry their data in the round (each rank builds the result from the posts),
     larger ones and alltoall/reducescatter run on the data plane after the round, mixed with
@@ -594,7 +598,7 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_):
     """
     digests = {}
     for mode, env in [("rounds", {}), ("rank 0", {"HOROVOD_PEER_ROUNDS": "0"})]:
-        out = run_script(script, np_=np_, env=env, timeout=120)
+        out = run_script(script, np_=np_, env={**env, **PLANES[plane]}, timeout=120)
         assert out.returncode == 0, out.stdout + out.stderr
         found = re.findall(r"digest (\d) (\w+) rounds (\d+)", out.stdout)
         assert len(found) == np_, out.stdout

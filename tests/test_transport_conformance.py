@@ -30,7 +30,7 @@ DECLARES = {
     "loopback": (False, False),
     "solo": (True, False),
     "tcp": (False, False),
-    "tcp-polled": (True, False),
+    "tcp-polled": (True, True),
     "shm": (True, True),
 }
 
@@ -95,7 +95,7 @@ def test_capabilities_are_declared_by_type(kind, n):
             if board:
                 b = t.board
                 assert isinstance(b, PeerBoard)
-                assert b.data_bytes >= 1 << 20 and b.max_ids >= 64
+                assert b.data_bytes >= 1 << 18 and b.max_ids >= 64
                 assert not b.open and not b.deferred and not b.due()
                 if t.outputs:
                     assert t.out_min > 0 and len(t.out_owners) >= 1

@@ -55,7 +55,7 @@ def _make(
                 r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
             )
             if kind == "tcp-polled":
-                t = PolledTcpTransport(t, spin_us, oversubscribed=False)
+                t = PolledTcpTransport(t, spin_us, oversubscribed=False, board_timeout=10)
             if kind.startswith("shm"):
                 t = ShmTransport(
                     t,

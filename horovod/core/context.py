@@ -576,13 +576,25 @@ class Context:
     def _with_polled_tcp(self, cfg: Config, transport: Transport) -> Transport:
         """TCP alone (no shared memory wraps it): its control read by the polling thread."""
         from horovod.transport.tcp import TcpTransport
+        from horovod.transport.tcp_board import MAX_RANKS as TCP_BOARD_MAX_RANKS
         from horovod.transport.tcp_polled import PolledTcpTransport
 
         if type(transport) is not TcpTransport:
             return transport
-        here = Counter(self.hostnames)[self.hostnames[cfg.rank]]
+        per_host = Counter(self.hostnames)
+        here = per_host[self.hostnames[cfg.rank]]
+        # Peer rounds over TCP where every rank of the job talks over TCP alone (no shared
+        # memory on any host: a decision every rank makes the same) and the job is small
+        # enough for each rank to post to all the others.
+        # (Whatever HOROVOD_PEER_ROUNDS says: a rank that posts none still answers.)
+        board = cfg.size <= TCP_BOARD_MAX_RANKS and (
+            not cfg.shared_memory or max(per_host.values()) == 1
+        )
         return PolledTcpTransport(
-            transport, cfg.spin_microseconds, oversubscribed=here > (os.cpu_count() or 1)
+            transport,
+            cfg.spin_microseconds,
+            oversubscribed=here > (os.cpu_count() or 1),
+            board_timeout=cfg.timeout_seconds if board else None,
         )
 
     @staticmethod

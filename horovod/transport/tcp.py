@@ -1,4 +1,5 @@
-"""TCP transport: a full mesh of data connections plus a control star to rank 0.
+"""TCP transport: a full mesh of data connections plus a control star to rank 0 (and, when
+the polled transport asks, a full mesh of board connections for peer rounds: ``tcp_board``).
 
 Set-up: each rank listens on an ephemeral port, publishes ``host:port`` in the rendezvous
 store, then connects to every lower rank (data) and, unless it is rank 0, to rank 0 (control).
@@ -33,11 +34,13 @@ from horovod.transport.base import CtrlHandler, Message, Transport
 
 MAGIC = b"PYHVD\x01\x00\x00"
 HELLO = struct.Struct("<8scII16s")  # magic, kind, rank, size, client nonce
-KIND_DATA, KIND_CTRL = b"D", b"C"
+KIND_DATA, KIND_CTRL, KIND_BOARD = b"D", b"C", b"B"
 HANDSHAKE_TIMEOUT = 5.0
 FRAME = struct.Struct("<Q")
 MAX_FRAME = 1 << 30
 SOCK_BUF = 4 * 1024 * 1024
+SEND_PIECE = 256 * 1024  # the most one send call is given
+COPY_PIECE = 256 * 1024  # local copies of ``exchange_copy`` go in pieces of this size
 _POLL_MS = 500
 
 
@@ -85,6 +88,8 @@ def interface_address(iface: str) -> str:
 
 class TcpTransport(Transport):
     kind = "TCP"
+    spin_s = 0.0  # how long ``exchange`` polls the sockets before it sleeps (set by the owner)
+    spin_yield = False  # ... yielding the CPU between polls (more ranks than cores)
 
     def __init__(
         self,
@@ -101,6 +106,8 @@ class TcpTransport(Transport):
         self._key = derive(secret, f"transport/{scope}")
         self._data: dict[int, socket.socket] = {}
         self._ctrl: dict[int, socket.socket] = {}
+        self._board: dict[int, socket.socket] = {}  # (``connect_board``)
+        self._peers: list[list[str]] = []  # every rank's [host, port]
         self._ctrl_locks: dict[int, threading.Lock] = {}
         self._cond = threading.Condition()
         self._closing = False
@@ -118,7 +125,7 @@ class TcpTransport(Transport):
         try:
             store.set(scope, f"tcp.{rank}", f"{advertise}:{port}".encode())
             addrs = store.wait(scope, [f"tcp.{r}" for r in range(size)], timeout)
-            peers = [a.decode().rsplit(":", 1) for a in addrs]
+            peers = self._peers = [a.decode().rsplit(":", 1) for a in addrs]
             for r in range(rank):
                 self._connect(r, peers[r][0], int(peers[r][1]), KIND_DATA, timeout)
             if rank != 0:
@@ -173,8 +180,11 @@ class TcpTransport(Transport):
             sock.close()
             raise
         with self._cond:
-            (self._data if kind == KIND_DATA else self._ctrl)[peer] = sock
+            self._table(kind)[peer] = sock
             self._cond.notify_all()
+
+    def _table(self, kind: bytes) -> dict[int, socket.socket]:
+        return {KIND_DATA: self._data, KIND_CTRL: self._ctrl}.get(kind, self._board)
 
     def _accept_loop(self) -> None:
         while True:
@@ -192,7 +202,7 @@ class TcpTransport(Transport):
             magic, kind, rank, size, nonce_c = HELLO.unpack(_recv_exact(sock, HELLO.size))
             ok = (
                 magic == MAGIC
-                and kind in (KIND_DATA, KIND_CTRL)
+                and kind in (KIND_DATA, KIND_CTRL, KIND_BOARD)
                 and size == self.size
                 and 0 <= rank < self.size
                 and rank != self.rank
@@ -205,8 +215,8 @@ class TcpTransport(Transport):
             if not verify(self._key, _recv_exact(sock, MAC_SIZE), b"client", *parts):
                 raise ConnectionError("bad client proof")
             with self._cond:
-                table = self._data if kind == KIND_DATA else self._ctrl
-                expected = (rank > self.rank) if kind == KIND_DATA else (self.rank == 0)
+                table = self._table(kind)
+                expected = (rank > self.rank) if kind != KIND_CTRL else (self.rank == 0)
                 if self._closing or not expected or rank in table:
                     raise ConnectionError("unexpected connection")
                 sock.sendall(b"OK")
@@ -221,30 +231,87 @@ class TcpTransport(Transport):
             except OSError:
                 pass
 
-    def _wait_for_peers(self, timeout: float) -> None:
-        want_data = set(range(self.size)) - {self.rank}
+    def _wait_for_peers(self, timeout: float, board: bool = False) -> None:
+        others = set(range(self.size)) - {self.rank}
         want_ctrl = set(range(1, self.size)) if self.rank == 0 else {0}
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
-                missing = sorted((want_data - set(self._data)) | (want_ctrl - set(self._ctrl)))
+                if board:
+                    missing = sorted(others - set(self._board))
+                else:
+                    missing = sorted((others - set(self._data)) | (want_ctrl - set(self._ctrl)))
                 if not missing:
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    what = (
+                        "opened no board connection (do HOROVOD_TCP_POLLED_CONTROL and "
+                        "HOROVOD_SHARED_MEMORY agree on every rank?)"
+                        if board
+                        else "did not connect"
+                    )
                     raise TransportError(
-                        f"rank {self.rank}: ranks {missing} did not connect within {timeout:g} s "
+                        f"rank {self.rank}: ranks {missing} {what} within {timeout:g} s "
                         "(HOROVOD_GLOO_TIMEOUT_SECONDS)",
                         missing[0],
                     )
                 self._cond.wait(min(left, 0.5))
 
+    def connect_board(self, timeout: float) -> dict[int, socket.socket]:
+        """A full mesh of board connections (for peer rounds over TCP: ``tcp_board``),
+        authenticated like the others; every rank of the job must call this. Returns them
+        by peer, non-blocking."""
+        for r in range(self.rank):
+            self._connect(r, self._peers[r][0], int(self._peers[r][1]), KIND_BOARD, timeout)
+        self._wait_for_peers(timeout, board=True)
+        for s in self._board.values():
+            s.setblocking(False)
+        return dict(self._board)
+
     # ---------------------------------------------------------------- data plane
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        self.exchange_copy(sends, recvs, ())
+
+    def exchange_copy(
+        self,
+        sends: Sequence[Message],
+        recvs: Sequence[Message],
+        copies: Sequence[tuple[memoryview, memoryview]],
+    ) -> None:
+        """``exchange`` whose local copies are made piece by piece whenever the sockets can
+        take or give nothing (an allgather's own block, while the peers' bytes travel)."""
         out, inc = self.queue(sends, recvs)
+        todo = [(memoryview(d).cast("B"), memoryview(s).cast("B")) for d, s in copies if d.nbytes]
+        spin = self.spin_s
+        idle_since = 0.0  # when the sockets last stopped taking or giving bytes (0: moving)
         while out or inc:
-            if not self.progress(out, inc):
-                self._wait(out, inc)
+            if self.progress(out, inc):
+                idle_since = 0.0
+                continue
+            if todo:
+                dst, src = todo[-1]
+                dst[:COPY_PIECE] = src[:COPY_PIECE]
+                if dst.nbytes > COPY_PIECE:
+                    todo[-1] = (dst[COPY_PIECE:], src[COPY_PIECE:])
+                else:
+                    todo.pop()
+                continue
+            if spin > 0.0:
+                # Poll for up to ``spin_s`` before sleeping in ``poll``: on one host, a
+                # sleeping receiver wakes once per burst of the sender's writes (a 1 MiB
+                # message took twice as long as with both sides polling).
+                now = time.perf_counter()
+                if not idle_since:
+                    idle_since = now
+                if now - idle_since < spin:
+                    if self.spin_yield:
+                        os.sched_yield()  # more ranks than cores: let the peer run
+                    continue
+            self._wait(out, inc)
+            idle_since = 0.0
+        for dst, src in todo:
+            dst[:] = src
 
     def queue(
         self, sends: Sequence[Message], recvs: Sequence[Message]
@@ -271,7 +338,9 @@ class TcpTransport(Transport):
             q = out[peer]
             mv = q[0]
             try:
-                n = data[peer].send(mv)
+                # (a piece at a time: a send of everything at once lets nothing be read
+                # meanwhile, and on one host the kernel moves it to the peer inside the call)
+                n = data[peer].send(mv[:SEND_PIECE])
             except BlockingIOError:
                 continue
             except OSError as e:
@@ -405,11 +474,15 @@ class TcpTransport(Transport):
         self._shutdown_sockets()
 
     def _shutdown_sockets(self) -> None:
-        for s in list(self._data.values()) + list(self._ctrl.values()):
+        for s in self._sockets():
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+
+    def _sockets(self) -> list[socket.socket]:
+        with self._cond:
+            return [*self._data.values(), *self._ctrl.values(), *self._board.values()]
 
     def close(self) -> None:
         with self._cond:
@@ -426,12 +499,12 @@ class TcpTransport(Transport):
             pass
         if self._acceptor is not threading.current_thread():
             self._acceptor.join(timeout=2)
-        for s in list(self._ctrl.values()):
+        for s in list(self._ctrl.values()) + list(self._board.values()):
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for s in list(self._data.values()) + list(self._ctrl.values()):
+        for s in self._sockets():
             try:
                 s.close()
             except OSError:

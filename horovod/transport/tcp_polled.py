@@ -32,6 +32,7 @@ from typing import Any
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
 from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
+from horovod.transport.tcp_board import TcpBoard
 
 _CHUNK = 1 << 16
 
@@ -40,12 +41,20 @@ class PolledTcpTransport(PolledTransport):
     """``inner``'s data plane; its control connections read by the polling thread."""
 
     kind = "TCP"
+    board: TcpBoard | None = None  # peer rounds over board connections (``board_timeout``)
 
-    def __init__(self, inner: TcpTransport, spin_us: float, oversubscribed: bool) -> None:
+    def __init__(
+        self,
+        inner: TcpTransport,
+        spin_us: float,
+        oversubscribed: bool,
+        board_timeout: float | None = None,
+    ) -> None:
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
         self.spin_s = spin_us / 1e6
         self.oversubscribed = oversubscribed
+        inner.spin_s, inner.spin_yield = self.spin_s, oversubscribed  # (its data plane too)
         self._socks: dict[int, socket.socket] = dict(inner._ctrl)
         self._bufs: dict[int, bytearray] = {p: bytearray() for p in self._socks}
         self._dead: set[int] = set()
@@ -58,6 +67,12 @@ class PolledTcpTransport(PolledTransport):
         for fd in self._fds:
             self._poller.register(fd, select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
+        if board_timeout is not None:  # peer rounds over board connections (every rank)
+            self.board = TcpBoard(
+                inner.connect_board(board_timeout), inner.lost, self._stop_polling
+            )
+            for sock in self.board.live():
+                self._poller.register(sock.fileno(), select.POLLIN)
         self._closed = False
         self._close_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -102,19 +117,24 @@ class PolledTcpTransport(PolledTransport):
         if sock is None:
             raise TransportError(f"no control connection to rank {peer}", peer)
         frame = memoryview(FRAME.pack(len(payload)) + payload)
+        board = self.board
+        if board is not None and board.holds(peer):
+            board.flush()
         with self._send_lock:
             queue = self._pending.get(peer)
-            if queue:
-                queue.append(frame)
-                return
-            try:
-                n = sock.send(frame, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
+            if queue or (board is not None and board.holds(peer)):
+                # (behind a post still waiting for room: a response list must not overtake it)
+                self._pending.setdefault(peer, []).append(frame)
                 n = 0
-            except OSError as e:
-                raise self.inner.lost(peer, e) from None
-            if n < frame.nbytes:
-                self._pending[peer] = [frame[n:]]
+            else:
+                try:
+                    n = sock.send(frame, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                except OSError as e:
+                    raise self.inner.lost(peer, e) from None
+                if n < frame.nbytes:
+                    self._pending[peer] = [frame[n:]]
         if n < frame.nbytes:
             self.kick()  # a sleeping engine thread must start waiting for room too
 
@@ -122,8 +142,11 @@ class PolledTcpTransport(PolledTransport):
 
     def _flush(self) -> None:
         """Send what the backlogs hold, as far as the sockets take it now."""
+        board = self.board
         with self._send_lock:
             for peer in list(self._pending):
+                if board is not None and board.holds(peer):
+                    continue  # (behind a post: ``board.flush`` first)
                 queue = self._pending[peer]
                 sock = self._socks[peer]
                 while queue:
@@ -191,7 +214,7 @@ class PolledTcpTransport(PolledTransport):
                     self._handler(peer, None)  # (after this batch's messages: via the inbox)
         return got
 
-    def _readable(self, timeout_ms: int) -> list[int]:
+    def _readable(self, timeout_ms: float) -> list[int]:
         """Control peers with data (or EOF) within ``timeout_ms``; drains the wake pipe."""
         ready = []
         for fd, _ in self._poller.poll(timeout_ms):
@@ -201,35 +224,60 @@ class PolledTcpTransport(PolledTransport):
                         pass
                 except (BlockingIOError, OSError):
                     pass
-            else:
+            elif fd in self._fds:  # (else a board connection: its reader is the board)
                 ready.append(self._fds[fd])
         return ready
 
+    def _stop_polling(self, sock: socket.socket) -> None:
+        """A board connection ended: the sleeping engine thread must not wake for it again."""
+        try:
+            self._poller.unregister(sock.fileno())
+        except (KeyError, OSError, ValueError):
+            pass
+
+    # ---------------------------------------------------------------- peer rounds
+    def board_post(
+        self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0, out: int = -1
+    ) -> None:
+        assert self.board is not None and out < 0  # (no output slots over TCP)
+        self.board.post(cids, parts, tag)
+
     def fast_pending(self) -> bool:
+        return self._any_pending(board=True)
+
+    def _any_pending(self, board: bool) -> bool:
+        """A control message to read or to send, or with ``board`` a post to read or send."""
         if any(len(b) >= FRAME.size for b in self._bufs.values()):
             return True
         # (a poll object of its own: the engine thread may be sleeping in ``_poller``, and
         # one poll object cannot be polled by two threads at once)
-        check = self._poll_object()
+        check = self._poll_object(board=board)
         try:
             return bool(check.poll(0))
         except (OSError, ValueError):
             return False
 
-    def _poll_object(self, wake: bool = False) -> Any:
-        """A poll object for the live control sockets: readable, or writable where a
-        backlog waits for room; and the wake-up pipe if ``wake``."""
+    def _poll_object(self, wake: bool = False, board: bool = True) -> Any:
+        """A poll object for the live control sockets (and board connections): readable, or
+        writable where a backlog waits for room; and the wake-up pipe if ``wake``."""
         p = select.poll()
         pending = self._pending
+        tb = self.board
         for peer, sock in self._socks.items():
             if peer not in self._dead:
-                p.register(sock, select.POLLIN | (select.POLLOUT if peer in pending else 0))
+                # (a frame held behind a post waits for the board's room, not this socket's)
+                out = peer in pending and not (tb is not None and tb.holds(peer))
+                p.register(sock, select.POLLIN | (select.POLLOUT if out else 0))
+        if board and tb is not None:
+            full = tb.backlogged()
+            for sock in tb.live():
+                p.register(sock, select.POLLIN | (select.POLLOUT if sock in full else 0))
         if wake:
             p.register(self._wake_r, select.POLLIN)
         return p
 
     def ctrl_idle(self) -> bool:
-        return not self._pending and not self.fast_pending()
+        return not self._pending and not self._any_pending(board=False)
 
     def set_driving(self, on: bool) -> None:
         """Nothing to publish: a peer's message wakes whoever polls the socket."""
@@ -243,9 +291,11 @@ class PolledTcpTransport(PolledTransport):
     def sleep(self, timeout: float | None, busy: Callable[[], bool]) -> None:
         if busy() or self.fast_pending():
             return
-        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        # (milliseconds as a float: poll rounds up, so a wait under 1 ms is not a busy loop)
+        ms = -1.0 if timeout is None else max(0.0, timeout * 1000)
         try:
-            if self._pending:  # wait for room too (a poll object of the moment)
+            if self._pending or (self.board is not None and self.board.backlogged()):
+                # wait for room too (a poll object of the moment)
                 self._poll_object(wake=True).poll(ms)
                 self._drain_wake()
             else:
@@ -264,7 +314,7 @@ class PolledTcpTransport(PolledTransport):
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         try:
-            if poller.poll(max(0, int(seconds * 1000))):
+            if poller.poll(max(0.0, seconds * 1000)):  # (rounded up, as in ``sleep``)
                 while os.read(self._wake_r, 4096):
                     pass
         except (BlockingIOError, OSError, ValueError):

@@ -1,0 +1,301 @@
+"""The engine's board for peer rounds over TCP (the ``PeerBoard`` of ``PolledTcpTransport``).
+
+On one host the board is shared memory every rank reads. Between ranks that talk over TCP
+alone, a post travels to every peer on a board connection of its own (a full mesh, opened and
+authenticated by ``TcpTransport.connect_board``): a header (round, number of cache ids, data
+bytes, tag), the ids, then the data. A small cache-hit allreduce then costs one message each
+way between every pair instead of a request to rank 0 and its response (two round trips), and
+a larger cached op skips negotiation before it runs on the data plane.
+
+Each peer's posts are read, without blocking, into two buffers by round parity: a rank posts
+round n+1 only after reading every post of round n, so a peer is at most one round ahead (as
+on the shared-memory board). Only the thread holding the engine's ``drive`` lock reads
+(``due``, ``opened``, ``tags``, ``read``) and posts. Posting never blocks: what a socket does
+not take now waits, copied, in that peer's backlog, which every later read flushes.
+
+A board connection that ends (EOF, reset, a malformed post) marks its peer lost; that is an
+error only where this rank waits for the peer's post (``due`` raises the transport's
+"connection lost" error), since a clean shutdown closes board connections too.
+
+Must not touch: the control connections, the data plane, the engine's decisions.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from array import array
+from collections.abc import Callable, Sequence
+
+from horovod.common.exceptions import TransportError
+from horovod.transport.base import PeerBoard
+
+HEADER = struct.Struct("<qqqq")  # round, cache ids, data bytes, tag
+MAX_RANKS = 8  # peer rounds over TCP in jobs of at most this many ranks (each posts to all)
+DATA_BYTES = 256 * 1024  # data of one post
+MAX_IDS = 504  # cache ids of one post
+STAGE = 16 * 1024  # bytes read at once ahead of a post's body (a smaller post: in one read)
+
+
+class _Peer:
+    """What this rank knows of one peer's posts."""
+
+    __slots__ = (
+        "rank",
+        "sock",
+        "latest",
+        "posts",
+        "bufs",
+        "stage",
+        "have",
+        "body",
+        "bgot",
+        "meta",
+        "backlog",
+        "lost",
+    )
+
+    def __init__(self, rank: int, sock: socket.socket) -> None:
+        self.rank, self.sock = rank, sock
+        self.latest = 0  # the last round this peer posted (read completely)
+        self.posts: list[tuple | None] = [None, None]  # by parity: (round, tag, ids, data)
+        self.bufs = [bytearray(4096), bytearray(4096)]  # the posts' bodies, by parity
+        # Bytes read ahead of any post body: a header, and a small post whole with it (one
+        # read for a small post); ``have`` of them are there.
+        self.stage = memoryview(bytearray(STAGE))
+        self.have = 0
+        self.body: memoryview | None = None  # the rest of a larger body, read straight in
+        self.bgot = 0
+        self.meta = (0, 0, 0)  # its round, ids, tag
+        self.backlog: list[memoryview] = []  # this rank's posts the socket has not taken yet
+        self.lost: TransportError | None = None
+
+
+class TcpBoard(PeerBoard):
+    """Peer rounds over board connections (see the module docstring)."""
+
+    data_bytes = DATA_BYTES
+    max_ids = MAX_IDS
+
+    def __init__(
+        self,
+        socks: dict[int, socket.socket],
+        lost: Callable[[int, OSError | None], TransportError],
+        on_lost: Callable[[socket.socket], None],
+    ) -> None:
+        self.peers = [_Peer(r, s) for r, s in sorted(socks.items())]
+        # Posts go to rank 0 last, and only once every other peer has taken its copy whole:
+        # rank 0 may finish a round as soon as it has every post and then send a response
+        # list (a shutdown) on a control connection, which must not overtake a post still on
+        # its way to another rank (on shared memory a post reaches every peer at once).
+        self._send_order = sorted(self.peers, key=lambda p: (p.rank == 0, p.rank))
+        self._lost_error = lost  # (peer, error) -> the transport's "connection lost" error
+        self._on_lost = on_lost  # stop polling a lost peer's socket
+        self._send_lock = threading.Lock()  # posting and flushing (the driving thread only,
+        # and ``backlogged`` from a sleeping one)
+        self.n = 0  # the last round this rank posted
+        self.open = False  # ... and not every peer has posted it yet
+        self.deferred = False  # a peer's round is seen and this rank answers it later
+
+    # ---------------------------------------------------------------- reading
+    def pump(self) -> None:
+        """Read whatever the peers sent (without blocking), and flush the backlogs."""
+        self.flush()
+        for p in self.peers:
+            if p.lost is None:
+                self._read(p)
+
+    def _read(self, p: _Peer) -> None:
+        """Read what ``p`` sent, until the socket has nothing more or a post is complete (the
+        rest, if any, is for the next call: the engine needs one post per peer at a time)."""
+        sock = p.sock
+        while True:
+            body = p.body
+            try:
+                if body is None:
+                    k = sock.recv_into(p.stage[p.have :], 0, socket.MSG_DONTWAIT)
+                else:
+                    k = sock.recv_into(body[p.bgot :], 0, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._mark_lost(p, self._lost_error(p.rank, e))
+                return
+            if k == 0:
+                self._mark_lost(p, self._lost_error(p.rank, None))
+                return
+            if body is None:
+                p.have += k
+                if self._parse(p):
+                    return
+            else:
+                p.bgot += k
+                if p.bgot == body.nbytes:
+                    self._complete(p)
+                    if not p.have:
+                        return
+
+    def _parse(self, p: _Peer) -> bool:
+        """Take the posts (and the start of a larger one's body) out of ``p``'s stage; True
+        if a post was completed."""
+        stage = p.stage
+        done = False
+        while p.body is None and p.have >= HEADER.size:
+            n, nids, nbytes, tag = HEADER.unpack_from(stage)
+            if n != p.latest + 1 or not 0 <= nids <= MAX_IDS or not 0 <= nbytes <= DATA_BYTES:
+                self._mark_lost(
+                    p,
+                    TransportError(
+                        f"rank {p.rank} sent a malformed peer-round post (round {n} after "
+                        f"{p.latest}, {nids} ids, {nbytes} bytes)",
+                        p.rank,
+                    ),
+                )
+                return done
+            need = 8 * nids + nbytes
+            buf = p.bufs[n & 1]
+            if len(buf) < need:  # (a new buffer: a view of the old one may be alive)
+                buf = p.bufs[n & 1] = bytearray(max(need, 2 * len(buf)))
+            take = min(need, p.have - HEADER.size)
+            end = HEADER.size + take
+            buf[:take] = stage[HEADER.size : end]
+            rest = p.have - end
+            if rest:
+                stage[:rest] = stage[end : p.have]
+            p.have = rest
+            p.meta = (n, nids, tag)
+            p.body = memoryview(buf)[:need]
+            p.bgot = take
+            if take == need:
+                self._complete(p)
+                done = True
+        return done
+
+    def _complete(self, p: _Peer) -> None:
+        """``p``'s post being read is whole."""
+        body = p.body
+        assert body is not None
+        n, nids, tag = p.meta
+        ids = body[: 8 * nids].cast("q").tolist() if nids else []
+        p.posts[n & 1] = (n, tag, ids, body[8 * nids :])
+        p.latest = n
+        p.body = None
+
+    def _mark_lost(self, p: _Peer, err: TransportError) -> None:
+        p.lost = err
+        p.backlog.clear()
+        self._on_lost(p.sock)
+
+    def due(self) -> bool:
+        self.pump()
+        if self.open:
+            n = self.n
+            for p in self.peers:
+                if p.latest < n:
+                    if p.lost is not None:
+                        raise p.lost
+                    return False
+            return True
+        return not self.deferred and self._opened()
+
+    def opened(self) -> bool:
+        self.pump()
+        return self._opened()
+
+    def _opened(self) -> bool:
+        n = self.n
+        return any(p.latest > n for p in self.peers)
+
+    def tags(self) -> list[int]:
+        n = self.n + 1
+        return [p.posts[n & 1][1] for p in self.peers if p.latest >= n]  # type: ignore[index]
+
+    def waiting(self) -> list[int]:
+        return [p.rank for p in self.peers if p.latest < self.n]
+
+    def read(self) -> list[tuple[int, int, list[int], memoryview, int]]:
+        n = self.n
+        out = []
+        for p in self.peers:
+            post = p.posts[n & 1]
+            if post is None or post[0] != n:
+                raise TransportError(f"rank {p.rank}'s post of engine round {n} is missing")
+            out.append((p.rank, post[1], post[2], post[3], -1))
+        return out
+
+    # ---------------------------------------------------------------- posting
+    def post(self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0) -> None:
+        """Post round ``n + 1`` to every peer: ``cids`` (empty: nothing to run), their data
+        ``parts`` in order, and ``tag``."""
+        n = self.n + 1
+        nbytes = sum(mv.nbytes for mv in parts)
+        head = HEADER.pack(n, len(cids), nbytes, tag)
+        if cids:
+            head += array("q", cids).tobytes()
+        msg: list[bytes | memoryview] = [head, *parts]
+        total = len(head) + nbytes
+        with self._send_lock:
+            held = False  # a peer before rank 0 has not taken its copy whole
+            for p in self._send_order:
+                if p.lost is not None:
+                    continue  # (an error where this rank waits for its post)
+                if p.backlog or (held and p.rank == 0):
+                    p.backlog.extend(memoryview(bytes(m)) for m in msg)
+                    continue
+                try:
+                    sent = p.sock.sendmsg(msg, (), socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError as e:
+                    self._mark_lost(p, self._lost_error(p.rank, e))
+                    continue
+                if sent < total:  # the rest waits, copied (the caller may change its data)
+                    p.backlog.append(memoryview(b"".join(bytes(m) for m in msg))[sent:])
+                    held = True
+        self.n = n
+        self.open = True
+        self.deferred = False
+
+    def flush(self) -> None:
+        """Send what the backlogs hold, as far as the sockets take it now (rank 0's only once
+        the others are empty); any thread may call this."""
+        if not any(p.backlog for p in self.peers):
+            return
+        with self._send_lock:
+            held = False
+            for p in self._send_order:
+                if p.backlog and not (held and p.rank == 0):
+                    self._flush(p)
+                held = held or bool(p.backlog)
+
+    def holds(self, peer: int) -> bool:
+        """Does a post to ``peer`` wait in its backlog? (Control messages to ``peer`` wait
+        behind it: a response list must not overtake a post.)"""
+        for p in self.peers:
+            if p.rank == peer:
+                return bool(p.backlog)
+        return False
+
+    def _flush(self, p: _Peer) -> None:
+        """(``_send_lock`` held.)"""
+        q = p.backlog
+        while q:
+            try:
+                sent = p.sock.send(q[0], socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._mark_lost(p, self._lost_error(p.rank, e))
+                return
+            if sent < q[0].nbytes:
+                q[0] = q[0][sent:]
+                return
+            q.pop(0)
+
+    def backlogged(self) -> list[socket.socket]:
+        """Sockets with posts waiting for room (a sleeping thread waits for it too)."""
+        return [p.sock for p in self.peers if p.backlog and p.lost is None]
+
+    def live(self) -> list[socket.socket]:
+        return [p.sock for p in self.peers if p.lost is None]
