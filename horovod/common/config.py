@@ -323,21 +323,22 @@ class Config:
     )
     eager_allreduce_bytes: int = _knob(
         "HOROVOD_EAGER_ALLREDUCE_BYTES",
-        16 * 1024,
+        64 * 1024,
         "Allreduces of at most this many bytes per rank that hit the response cache travel "
         "with their request to the coordinator, which reduces them and sends the result with "
-        "its response list: one message round instead of two (0 turns it off). When every "
-        "rank shares one host, such allreduces go to a peer round instead, with their data "
-        "(see HOROVOD_PEER_ROUNDS).",
+        "its response list: one message round instead of two (0 turns it off). Where peer "
+        "rounds run (see HOROVOD_PEER_ROUNDS), such allreduces go to a peer round instead, "
+        "with their data.",
         minimum=0,
     )
     peer_rounds: bool = _knob(
         "HOROVOD_PEER_ROUNDS",
         True,
-        "When every rank shares one host (shared memory), ops that hit the response cache "
-        "(alone in flight on their rank) are posted to every peer and run by every rank "
-        "itself once all of them posted the same, without a round through rank 0: small ones "
-        "with their data on the board, the rest on the data plane (0 turns it off).",
+        "When every rank shares one host (shared memory), or every rank talks over TCP alone "
+        "in a job of at most 8 ranks, ops that hit the response cache (alone in flight on "
+        "their rank) are posted to every peer and run by every rank itself once all of them "
+        "posted the same, without a round through rank 0: small ones with their data on the "
+        "board, the rest on the data plane (0 turns it off).",
     )
     gradient_bucket_bytes: int = _knob(
         "HOROVOD_GRADIENT_BUCKET_BYTES",

@@ -180,18 +180,16 @@ class ExpressPaths(Driving):
             self.express_key = None
             return NOT_EXPRESS
         resp: Response | None = None
-        plane = False  # an allreduce or broadcast too large for a data round: a plane round
-        planes = op == ALLREDUCE or op == BROADCAST
+        plane = False  # an op too large for a data round: a plane round
         try:
-            if self._may_post(op, arr.nbytes, plane=planes):
+            if self._may_post(op, arr.nbytes, plane=True):
                 live = cache.live[cid]
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
                 data = max(sizes) <= self.board_data and (
                     op != ALLREDUCE or arr.nbytes <= self.round_budget
                 )
-                if data or planes:
-                    plane = not data
-                    resp = live  # (set last: nothing after it can raise)
+                plane = not data
+                resp = live  # (set last: nothing after it can raise)
         finally:
             if resp is None:  # it does not qualify after all (or a check raised)
                 self.express_key = None
@@ -215,7 +213,6 @@ class ExpressPaths(Driving):
                 ):
                     board.open = False
                     if plane:
-                        assert out is not None  # (made above for an allreduce, a broadcast)
                         result = self._express_plane(resp, arr, out)
                     else:
                         result = self._express_result(op, resp, arr, out, posts, outk)
@@ -308,11 +305,11 @@ class ExpressPaths(Driving):
             np.copyto(flat, fold(parts, resp, n))
         return out  # type: ignore[no-any-return]
 
-    def _express_plane(self, resp: Response, arr: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """An express allreduce's or broadcast's plane round, decided: run it on the data
-        plane into
-        ``out`` as ``_run_plane_round`` would run the op's entry (the same response, buffers
-        and algorithm: the same bits), without one."""
+    def _express_plane(self, resp: Response, arr: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """An express op's plane round, decided: run it on the data plane (an allreduce or a
+        broadcast into ``out``, an allgather into a new array) as ``_run_plane_round`` would
+        run the op's entry (the same response, buffers and algorithm: the same bits), without
+        one."""
         stats = self.stats
         stats["rounds_run"] += 1
         stats["responses"] += 1
@@ -320,5 +317,5 @@ class ExpressPaths(Driving):
         stats["express_plane"] += 1
         ss = self.sets[0]
         assert ss.view is not None
-        ops.execute(resp, [cast(Entry, BareEntry(arr, out))], ss.view, self.buffers)
-        return out
+        res = ops.execute(resp, [cast(Entry, BareEntry(arr, out))], ss.view, self.buffers)
+        return res[0]  # type: ignore[return-value]

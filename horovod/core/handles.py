@@ -123,13 +123,18 @@ class Entry:
 
 
 class BareEntry:
-    """What ``ops.execute`` reads of an allreduce's entry: its array and its output."""
+    """What ``ops.execute`` reads of a lone op's entry: its array, its output (an allreduce's
+    or a broadcast's; None for an allgather) and how an allgather's result is allocated."""
 
     __slots__ = ("array", "output")
 
-    def __init__(self, array: np.ndarray, output: np.ndarray) -> None:
+    def __init__(self, array: np.ndarray, output: np.ndarray | None) -> None:
         self.array = array
         self.output = output
+
+    @staticmethod
+    def alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        return np_alloc(shape, dtype)
 
 
 def np_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
