@@ -323,7 +323,7 @@ class Config:
     )
     eager_allreduce_bytes: int = _knob(
         "HOROVOD_EAGER_ALLREDUCE_BYTES",
-        64 * 1024,
+        16 * 1024,
         "Allreduces of at most this many bytes per rank that hit the response cache travel "
         "with their request to the coordinator, which reduces them and sends the result with "
         "its response list: one message round instead of two (0 turns it off). Where peer "
