@@ -402,3 +402,35 @@ def test_elastic_job_grows_onto_a_remote_host_and_survives_losing_a_worker_there
     assert len(finals) == 3
     assert all(np.array_equal(w, finals[0]) for w in finals)
     _nothing_left(marker)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun installed")
+def test_named_test_hosts_are_separate_hosts_to_open_mpi():
+    """``TestNetwork(hostnames=True)``: each test host has its own host name, in commands run
+    on it and in sessions ssh opens there, so Open MPI (which tells hosts apart by name) places
+    and treats ranks as on two hosts, as the multi-host benchmark's Open MPI rows need."""
+    pytest.importorskip("mpi4py")
+    from horovod.benchmarks.multihost import mpi_command
+
+    n = TestNetwork(["hostA", "hostB"], hostnames=True)
+    try:
+        assert n.exec("hostB", ["hostname"]).stdout.strip() == "hostB"
+        over_ssh = n.exec("hostA", ["ssh", *n.ssh_args(), "hostB", "hostname"])
+        assert over_ssh.stdout.strip() == "hostB", over_ssh.stderr
+        probe = (
+            "from mpi4py import MPI; c = MPI.COMM_WORLD; "
+            "local = c.Split_type(MPI.COMM_TYPE_SHARED).size; "
+            "print('at', c.rank, MPI.Get_processor_name(), local, flush=True)"
+        )
+        argv = mpi_command(n, shutil.which("mpirun"), []) + [sys.executable, "-c", probe]
+        r = n.exec("hostA", argv, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        placed = sorted(line.split()[1:] for line in r.stdout.splitlines() if line.startswith("at"))
+        assert placed == [
+            ["0", "hostA", "2"],
+            ["1", "hostA", "2"],
+            ["2", "hostB", "2"],
+            ["3", "hostB", "2"],
+        ], r.stdout
+    finally:
+        n.close()

@@ -50,9 +50,15 @@ def unavailable() -> str | None:
 class TestNetwork:
     __test__ = False  # not a pytest class
 
-    def __init__(self, hosts: list[str], without_sshd: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, hosts: list[str], without_sshd: tuple[str, ...] = (), hostnames: bool = False
+    ) -> None:
         self.hosts = hosts
         self.without_sshd = without_sshd
+        # Each host also gets a UTS namespace whose host name is its own (its sshd's sessions
+        # and ``exec`` inherit it): software that tells hosts apart by ``gethostname()``, as
+        # Open MPI does, then sees several hosts and not one.
+        self.hostnames = hostnames
         tag = f"{os.getpid() % 100000}"
         self.switch = f"hvd{tag}sw"
         self.ns = {h: f"hvd{tag}h{i}" for i, h in enumerate(hosts)}
@@ -137,7 +143,7 @@ class TestNetwork:
                 )
             with open(os.path.join(self.dir, f"sshd_{h}.log"), "w") as log:
                 self.sshd[h] = subprocess.Popen(
-                    ["ip", "netns", "exec", self.ns[h], SSHD, "-D", "-e", "-f", cfg],
+                    self.command(h, [SSHD, "-D", "-e", "-f", cfg]),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=log,
@@ -163,6 +169,10 @@ class TestNetwork:
         return ["-p", str(PORT), "-i", self.key]
 
     def command(self, host: str, argv: list[str]) -> list[str]:
+        """``argv`` run on ``host`` (every step execs: the process keeps the first's pid)."""
+        if self.hostnames:
+            named = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh"]
+            return ["ip", "netns", "exec", self.ns[host], *named, *argv]
         return ["ip", "netns", "exec", self.ns[host], *argv]
 
     def exec(self, host: str, argv: list[str], **kw) -> subprocess.CompletedProcess:
