@@ -18,7 +18,10 @@ STALL_ENV = {
 }
 
 
-def test_sleeping_rank_is_named_with_its_file_line_and_function():
+@pytest.mark.parametrize("plane", ["shm", "tcp"])
+def test_sleeping_rank_is_named_with_its_file_line_and_function(plane):
+    """(Over TCP alone the control messages are read by the polling thread, not by reader
+    threads: the hang doctor's question must still be answered by the sleeping rank.)"""
     out = run_script(
         """
         import time
@@ -34,7 +37,7 @@ def test_sleeping_rank_is_named_with_its_file_line_and_function():
             load_batch()
         hvd.allreduce(np.ones(4), name="fc2.weight")
         """,
-        env=STALL_ENV,
+        env={**STALL_ENV, **({"HOROVOD_SHARED_MEMORY": "0"} if plane == "tcp" else {})},
         timeout=60,
     )
     text = out.stdout + out.stderr

@@ -317,6 +317,42 @@ def test_interrupting_a_thread_that_runs_the_engine_fails_collectives_cleanly():
     assert out.stdout.count("failed:") == 2 and "was interrupted (KeyboardInterrupt)" in text, text
 
 
+@pytest.mark.parametrize("plane", sorted(["shm", "tcp"]))
+def test_an_abort_reaches_every_rank_with_its_reason(plane):
+    """Rank 1 is interrupted mid-collective: rank 0 tells every rank why (its abort
+    broadcast), and rank 2's next collective fails with that reason, not with a lost
+    connection, also where the polling thread reads the control messages (TCP alone)."""
+    script = """
+        import signal, time, numpy as np, horovod.numpy as hvd
+        hvd.init()
+        hvd.allreduce(np.ones(4), name="warm")
+        if hvd.rank() == 1:
+            def boom(*_):
+                raise KeyboardInterrupt
+            signal.signal(signal.SIGALRM, boom)
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            try:
+                hvd.allreduce(np.ones(4), name="x")  # the others are 2 s late
+            except KeyboardInterrupt:
+                pass
+        else:
+            time.sleep(2)
+        try:
+            hvd.allreduce(np.ones(4), name="y")
+        except hvd.HorovodInternalError as e:
+            print("rank", hvd.rank(), "failed:", str(e).splitlines()[0], flush=True)
+        time.sleep(1)  # (rank 0 stays until the others have read its broadcast)
+    """
+    env = {"HOROVOD_SPIN_MICROSECONDS": "5000000"}
+    if plane == "tcp":
+        env["HOROVOD_SHARED_MEMORY"] = "0"
+    out = run_script(script, np_=3, env=env, timeout=60)
+    text = out.stdout + out.stderr
+    line = next((x for x in out.stdout.splitlines() if "rank 2 failed:" in x), None)
+    assert line is not None, text
+    assert "rank 1 was interrupted (KeyboardInterrupt)" in line, text
+
+
 def test_response_list_larger_than_the_control_ring_reaches_every_rank():
     """4000 first-time requests with long names make a response list of more than the 256 KiB
     control ring; the fused allreduce that follows it must not wait on a rank that has not read

@@ -59,9 +59,10 @@ class Driving(PeerRounds):
             except Exception as e:
                 self._abort(f"rank {peer} sent a malformed control message ({e})")
                 continue
-            if msg[0] == "P" and msg[2] is not None:
-                self.closing = True
-            batch.append(("ctl", peer, msg))
+            # (what a reader thread's handler answers at once: aborts, the hang doctor's
+            # question, pings; over TCP alone the polling thread reads every message)
+            if not self._answered(peer, msg):
+                batch.append(("ctl", peer, msg))
         if self.board is not None and self.board.due():
             batch.append(("round",))
         inbox = self.inbox

@@ -144,28 +144,36 @@ class Engine(ExpressPaths):
         except Exception as e:  # a peer that proved the secret but sent nonsense
             self._abort(f"rank {peer} sent a malformed control message ({e})")
             return
+        if not self._answered(peer, msg):
+            self._post(("ctl", peer, msg))
+
+    def _answered(self, peer: int, msg: tuple) -> bool:
+        """Handle at once what a control message asks of this rank itself, whatever its
+        engine is doing: an abort, the hang doctor's question, a ping and its answer. True:
+        nothing is left for the engine (else it gets the message as an event). Called where
+        control messages arrive: on a reader thread, or on the thread that polls them."""
         if msg[0] == "X":  # abort broadcast by the coordinator
             self._abort(str(msg[1]), broadcast=False)
-            return
+            return True
         if msg[0] == "STACK?":  # the hang doctor asks where this rank is: answer at once
             stacks = capture_stacks(self.main_ident, self.other_threads)
             try:
                 self.transport.send_ctrl(0, encode(("STACK", msg[1], stacks)))
             except Exception:
                 pass
-            return
+            return True
         if msg[0] == "PING":  # a rank checks that the coordinator is alive: answer at once
             try:
                 self.transport.send_ctrl(peer, encode(("PONG",)))
             except Exception:
                 pass
-            return
+            return True
         if msg[0] == "PONG":
             self.heard_from_0 = self.clock()
-            return
+            return True
         if msg[0] == "P" and msg[2] is not None:
             self.closing = True  # a clean shutdown follows; the connection will drop
-        self._post(("ctl", peer, msg))
+        return False
 
     def _abort(self, reason: str, broadcast: bool = True) -> None:
         """Stop this rank's collectives with ``reason``; on the coordinator, tell every rank."""

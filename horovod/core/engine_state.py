@@ -249,6 +249,9 @@ class EngineState:
     def _handle(self, batch: list[tuple]) -> bool:
         raise NotImplementedError
 
+    def _answered(self, peer: int, msg: tuple) -> bool:
+        raise NotImplementedError
+
     def _timeout(self, watch: bool = True) -> float | None:
         raise NotImplementedError
 
