@@ -95,7 +95,10 @@ MPI_WORKER = """
 """
 
 # (name, extra mpirun arguments): Open MPI's default and its flat collectives.
-MPI_MODES = (("Open MPI", []), ("Open MPI flat", ["--mca", "coll_han_priority", "0"]))
+MPI_MODES: tuple[tuple[str, list[str]], ...] = (
+    ("Open MPI", []),
+    ("Open MPI flat", ["--mca", "coll_han_priority", "0"]),
+)
 
 
 def mpi_command(net: TestNetwork, mpirun: str, extra: list[str]) -> list[str]:
