@@ -394,6 +394,10 @@ class Context:
             if mpi is not None and mpi.data_plane and cfg.size > 1:
                 transport = self._with_mpi(cfg, store, scope, transport, mpi)
             elif spec is None and cfg.size > 1 and cfg.shared_memory:
+                if cfg.tcp_polled_control and len(hosts) > 1:
+                    # Several hosts: the thread running the engine reads the TCP control
+                    # connections to the other hosts too (no reader threads, no hand-offs).
+                    transport = self._with_polled_tcp(cfg, transport)
                 transport = self._with_shared_memory(cfg, store, scope, transport)
             if spec is None and cfg.size > 1 and cfg.tcp_polled_control:
                 transport = self._with_polled_tcp(cfg, transport)
@@ -574,7 +578,8 @@ class Context:
         )
 
     def _with_polled_tcp(self, cfg: Config, transport: Transport) -> Transport:
-        """TCP alone (no shared memory wraps it): its control read by the polling thread."""
+        """TCP with its control connections read by the polling thread: TCP alone, or the
+        TCP plane under shared memory between hosts."""
         from horovod.transport.tcp import TcpTransport
         from horovod.transport.tcp_board import MAX_RANKS as TCP_BOARD_MAX_RANKS
         from horovod.transport.tcp_polled import PolledTcpTransport

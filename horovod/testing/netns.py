@@ -17,6 +17,7 @@ removed by ``close()``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import tempfile
 import time
 
 SSHD = "/usr/sbin/sshd"
+_NETWORKS = itertools.count()  # networks made by this process
 PORT = 2222
 
 
@@ -59,10 +61,13 @@ class TestNetwork:
         # and ``exec`` inherit it): software that tells hosts apart by ``gethostname()``, as
         # Open MPI does, then sees several hosts and not one.
         self.hostnames = hostnames
-        tag = f"{os.getpid() % 100000}"
+        # (names and subnet unique per network: a process may hold several at once)
+        k = next(_NETWORKS)
+        tag = f"{os.getpid() % 100000}" + (chr(ord("a") + k % 26) if k else "")
+        self.tag = tag
         self.switch = f"hvd{tag}sw"
         self.ns = {h: f"hvd{tag}h{i}" for i, h in enumerate(hosts)}
-        self.subnet = f"10.213.{os.getpid() % 250}"
+        self.subnet = f"10.{213 + k % 40}.{os.getpid() % 250}"
         self.addr = {h: f"{self.subnet}.{i + 1}" for i, h in enumerate(hosts)}
         self.dir = tempfile.mkdtemp(prefix="hvd-netns-")
         self.key = os.path.join(self.dir, "id_test")
@@ -87,7 +92,7 @@ class TestNetwork:
             _ip(
                 "link",
                 "add",
-                f"hvd{os.getpid() % 100000}v{i}",
+                f"hvd{self.tag}v{i}",
                 "type",
                 "veth",
                 "peer",
@@ -96,7 +101,7 @@ class TestNetwork:
                 "netns",
                 ns,
             )
-            port = f"hvd{os.getpid() % 100000}v{i}"
+            port = f"hvd{self.tag}v{i}"
             _ip("link", "set", port, "netns", self.switch)
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
@@ -201,7 +206,7 @@ class TestNetwork:
             self.switch,
             "link",
             "set",
-            f"hvd{os.getpid() % 100000}v{i}",
+            f"hvd{self.tag}v{i}",
             "up" if up else "down",
         )
 

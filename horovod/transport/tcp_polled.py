@@ -276,6 +276,23 @@ class PolledTcpTransport(PolledTransport):
             p.register(self._wake_r, select.POLLIN)
         return p
 
+    def watch(self, poller: Any) -> None:
+        """Register in ``poller`` what wakes a thread sleeping for this transport: the live
+        control connections (readable, or writable where a backlog waits) and the wake-up
+        pipe. For a transport that sleeps on its own socket too (shared memory between the
+        ranks of a host, this for the others); ``settle`` after the poll."""
+        pending = self._pending
+        tb = self.board
+        for peer, sock in self._socks.items():
+            if peer not in self._dead:
+                out = peer in pending and not (tb is not None and tb.holds(peer))
+                poller.register(sock, select.POLLIN | (select.POLLOUT if out else 0))
+        poller.register(self._wake_r, select.POLLIN)
+
+    def settle(self) -> None:
+        """After a poll that ``watch`` set up: empty the wake-up pipe."""
+        self._drain_wake()
+
     def ctrl_idle(self) -> bool:
         return not self._pending and not self._any_pending(board=False)
 

@@ -25,7 +25,9 @@ class ShmControl(ShmWaiting):
         self.inner.send_ctrl(peer, payload)
 
     def is_fast(self, peer: int) -> bool:
-        return peer in self._rout
+        # (a peer on another host too where its control connection is polled: its last
+        # messages, e.g. a shutdown, are read by the engine's thread before its loss counts)
+        return peer in self._rout or self._remote is not None
 
     def send_fast(self, peer: int, payload: bytes) -> None:
         ring = self._rout.get(peer)
@@ -44,8 +46,9 @@ class ShmControl(ShmWaiting):
             self._wake(peer, ctrl=True)
 
     def poll_fast(self) -> list[tuple[int, bytes]]:
-        """Control messages that same-host ranks sent (complete ones, in order per peer)."""
-        got: list[tuple[int, bytes]] = []
+        """Control messages that same-host ranks sent (complete ones, in order per peer), and
+        where the TCP plane to other hosts is polled (``PolledTcpTransport``), theirs."""
+        got: list[tuple[int, bytes]] = self._remote.poll_fast() if self._remote else []
         for peer, ring in self._rin.items():
             if ring.count != ring.wr[0] and ring.take() == RING:
                 self._wake(peer, ctrl=True)  # the ring was full: it may wait for room
@@ -107,7 +110,7 @@ class ShmControl(ShmWaiting):
 
     def ctrl_idle(self) -> bool:
         """No control message from a same-host rank to read, none waiting to be sent."""
-        if self._backlog:
+        if self._backlog or (self._remote is not None and not self._remote.ctrl_idle()):
             return False
         for ring in self._rin.values():
             if ring.count != ring.wr[0] or ring.acc:
@@ -120,6 +123,8 @@ class ShmControl(ShmWaiting):
     def fast_pending(self) -> bool:
         """Is there anything for ``poll_fast`` to read or send, or a peer round to decide?"""
         if self.board is not None and self.board.due():
+            return True
+        if self._remote is not None and self._remote.fast_pending():
             return True
         for ring in self._rin.values():
             if ring.count != ring.wr[0]:

@@ -35,6 +35,7 @@ from horovod.transport.shm.board import Board
 from horovod.transport.shm.channels import Channel
 from horovod.transport.shm.layout import OUT_BYTES, OUT_MIN, OUT_SLOTS, Layout
 from horovod.transport.shm.rings import Ring
+from horovod.transport.tcp_polled import PolledTcpTransport
 
 
 class ShmSegments(PolledTransport):
@@ -66,6 +67,9 @@ class ShmSegments(PolledTransport):
         (every rank reads the others' either way); only where reference counts tell that no
         view of a result is alive any more (``horovod.core.pool``)."""
         self.inner = inner
+        # The TCP plane to the other hosts, where the thread running the engine reads its
+        # control connections (``PolledTcpTransport``) instead of reader threads.
+        self._remote = inner if isinstance(inner, PolledTcpTransport) else None
         self.rank, self.size = inner.rank, inner.size
         self.local = sorted(local)
         self.peers = [r for r in self.local if r != self.rank]

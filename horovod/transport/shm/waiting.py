@@ -194,10 +194,14 @@ class ShmWaiting(ShmSegments):
                 return
             poller = select.poll()
             poller.register(sock.fileno(), select.POLLIN)
+            if self._remote is not None:  # (and the other hosts' control connections)
+                self._remote.watch(poller)
             poller.poll(-1 if timeout is None else max(0, int(timeout * 1000 + 0.999)))
         finally:
             self._exit_sleep(engine=True)
             self._drain(sock)
+            if self._remote is not None:
+                self._remote.settle()
 
     def nap(self, seconds: float) -> None:
         """Sleep ``seconds`` unless ``kick`` is called; peers are not asked to wake us."""
