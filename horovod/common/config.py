@@ -278,9 +278,11 @@ class Config:
     tcp_polled_control: bool = _knob(
         "HOROVOD_TCP_POLLED_CONTROL",
         True,
-        "Where ranks talk over TCP only (no shared memory between them), the thread that "
-        "waits for a result reads the control connections itself instead of reader threads "
-        "handing messages to the engine thread (small operations pay no thread hand-offs).",
+        "Where ranks talk over TCP (alone, or between hosts under shared memory), the thread "
+        "that waits for a result reads the control connections itself instead of reader "
+        "threads handing messages to the engine thread (small operations pay no thread "
+        "hand-offs); with TCP alone in jobs of up to 8 ranks, peer rounds run over board "
+        "connections too. Every rank must agree.",
     )
     shm_chunk_bytes: int = _knob(
         "HOROVOD_SHM_CHUNK_BYTES",
