@@ -219,11 +219,7 @@ class PolledTcpTransport(PolledTransport):
         ready = []
         for fd, _ in self._poller.poll(timeout_ms):
             if fd == self._wake_r:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except (BlockingIOError, OSError):
-                    pass
+                self._drain_wake()
             elif fd in self._fds:  # (else a board connection: its reader is the board)
                 ready.append(self._fds[fd])
         return ready
@@ -258,9 +254,21 @@ class PolledTcpTransport(PolledTransport):
             return False
 
     def _poll_object(self, wake: bool = False, board: bool = True) -> Any:
-        """A poll object for the live control sockets (and board connections): readable, or
-        writable where a backlog waits for room; and the wake-up pipe if ``wake``."""
+        """A poll object for what ``_register`` names."""
         p = select.poll()
+        self._register(p, wake, board)
+        return p
+
+    def watch(self, poller: Any) -> None:
+        """Register in ``poller`` what wakes a thread sleeping for this transport (for a
+        transport that sleeps on its own socket too: shared memory between the ranks of a
+        host, this for the others); ``settle`` after the poll."""
+        self._register(poller, wake=True, board=True)
+
+    def _register(self, p: Any, wake: bool, board: bool) -> None:
+        """The live control sockets (and with ``board`` the board connections) in poll
+        object ``p``: readable, or writable where a backlog waits for room; and the wake-up
+        pipe if ``wake``."""
         pending = self._pending
         tb = self.board
         for peer, sock in self._socks.items():
@@ -274,20 +282,6 @@ class PolledTcpTransport(PolledTransport):
                 p.register(sock, select.POLLIN | (select.POLLOUT if sock in full else 0))
         if wake:
             p.register(self._wake_r, select.POLLIN)
-        return p
-
-    def watch(self, poller: Any) -> None:
-        """Register in ``poller`` what wakes a thread sleeping for this transport: the live
-        control connections (readable, or writable where a backlog waits) and the wake-up
-        pipe. For a transport that sleeps on its own socket too (shared memory between the
-        ranks of a host, this for the others); ``settle`` after the poll."""
-        pending = self._pending
-        tb = self.board
-        for peer, sock in self._socks.items():
-            if peer not in self._dead:
-                out = peer in pending and not (tb is not None and tb.holds(peer))
-                poller.register(sock, select.POLLIN | (select.POLLOUT if out else 0))
-        poller.register(self._wake_r, select.POLLIN)
 
     def settle(self) -> None:
         """After a poll that ``watch`` set up: empty the wake-up pipe."""
@@ -331,11 +325,11 @@ class PolledTcpTransport(PolledTransport):
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         try:
-            if poller.poll(max(0.0, seconds * 1000)):  # (rounded up, as in ``sleep``)
-                while os.read(self._wake_r, 4096):
-                    pass
-        except (BlockingIOError, OSError, ValueError):
-            pass
+            woken = poller.poll(max(0.0, seconds * 1000))  # (rounded up, as in ``sleep``)
+        except (OSError, ValueError):
+            return  # closed meanwhile
+        if woken:
+            self._drain_wake()
 
     # ---------------------------------------------------------------- teardown
     def abort(self, reason: str) -> None:
