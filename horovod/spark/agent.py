@@ -42,6 +42,7 @@ import cloudpickle
 SCOPE = "spark-elastic"
 BEAT_S = 0.5
 POLL_S = 0.05
+STOP_WAIT_S = 5.0  # how long an agent told to stop waits for its killed worker to be gone
 STOP_GRACE_S = 5.0
 TAIL_LINES = 20
 WORKER_MAIN = "import sys; from horovod.spark.agent import worker_main; sys.exit(worker_main())"
@@ -89,6 +90,15 @@ class _Child:
             self.tail.append(line)
             print(f"[{self.wid}] {line}", file=sys.stderr, flush=True)
 
+    def end(self) -> None:
+        """Kill the worker (and its process group) and wait until it is gone."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGKILL)
+            try:
+                self.proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+
     def signal(self, sig: int) -> None:
         try:
             os.killpg(self.proc.pid, sig)
@@ -128,6 +138,12 @@ def _serve(job_env: dict[str, str], part: int, attempt: int) -> int:
                 store.set(SCOPE, f"agent.{part}", f"{attempt} {host} {beat}".encode())
                 next_beat = now + BEAT_S
             if store.get(SCOPE, "stop"):
+                # The driver waits for this before it returns: its caller must find no
+                # worker of the job left running.
+                if child is not None:
+                    child.end()
+                    child = None
+                store.set(SCOPE, f"stopped.{part}", str(attempt).encode())
                 return beat
             if child is None:
                 raw = store.get(SCOPE, f"launch.{part}")
@@ -151,8 +167,8 @@ def _serve(job_env: dict[str, str], part: int, attempt: int) -> int:
                     child = None
             time.sleep(POLL_S)
     finally:
-        if child is not None and child.proc.poll() is None:
-            child.signal(signal.SIGKILL)
+        if child is not None:
+            child.end()
 
 
 def worker_main() -> int:

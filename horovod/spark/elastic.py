@@ -49,7 +49,7 @@ from horovod.runner.elastic.launch import set_worker_defaults
 from horovod.runner.elastic.workers import EngineWorker
 from horovod.runner.hosts import HostInfo
 from horovod.runner.procs import exit_description
-from horovod.spark.agent import SCOPE, agent_body
+from horovod.spark.agent import BEAT_S, SCOPE, agent_body
 from horovod.spark.runner import _driver_address, job_environment, spark_context
 
 AGENT_LOST_S = 10.0
@@ -93,6 +93,21 @@ class AgentBook:
                 a = self.agents.get(part)
                 if a is None or (a.attempt, a.beat) != (int(attempt), int(beat)):
                     self.agents[part] = Agent(part, int(attempt), host, int(beat), now)
+
+    def wait_stopped(self, timeout: float) -> None:
+        """After the driver's ``stop``: wait (up to ``timeout``) until every live agent has
+        said it stopped, its worker gone (so that nothing of the job outlives ``run_elastic``,
+        even where the Spark stage failed and nobody waits for the agents' tasks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.refresh()
+            now = time.monotonic()
+            # (an agent whose heartbeat stopped for a few beats is gone: killed with its
+            # task, and its worker with it, by the parent-death signal)
+            waiting = [a for a in self.live() if now - a.seen < 4 * BEAT_S]
+            if all(self.server.get(SCOPE, f"stopped.{a.part}") for a in waiting):
+                return
+            time.sleep(POLL_S)
 
     def live(self) -> list[Agent]:
         now = time.monotonic()
@@ -272,6 +287,7 @@ def run_elastic(
     finally:
         launcher.close()
         server.put(SCOPE, "stop", b"1")
+        book.wait_stopped(AGENTS_STOP_S)
         stage.join(AGENTS_STOP_S)
         if stage.is_alive():
             sc.cancelJobGroup(group)

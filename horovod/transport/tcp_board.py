@@ -92,8 +92,9 @@ class TcpBoard(PeerBoard):
         self._send_order = sorted(self.peers, key=lambda p: (p.rank == 0, p.rank))
         self._lost_error = lost  # (peer, error) -> the transport's "connection lost" error
         self._on_lost = on_lost  # stop polling a lost peer's socket
-        self._send_lock = threading.Lock()  # posting and flushing (the driving thread only,
-        # and ``backlogged`` from a sleeping one)
+        # Posting and flushing: the thread holding ``drive``, and ``flush`` from a thread
+        # that sends a control message to a peer whose post waits in its backlog.
+        self._send_lock = threading.Lock()
         self.n = 0  # the last round this rank posted
         self.open = False  # ... and not every peer has posted it yet
         self.deferred = False  # a peer's round is seen and this rank answers it later
