@@ -223,6 +223,20 @@ def test_root_cause_is_the_silent_rank_a_consequence_points_at():
     assert "rank 0 failed only because it lost this rank" in report
 
 
+def test_a_rank_killed_a_moment_before_ranks_that_exited_is_the_cause_whatever_the_order():
+    """Rank 2 was SIGKILLed; ranks 0 and 1 lost it and exited with code 1 at once, and their
+    wait threads got the CPU before rank 2's: nothing recorded why they exited. The silent
+    death is the cause (and the job's exit code is its 137); a second later it would not be."""
+    ws = [_worker(0, 1, 10.0), _worker(1, 1, 10.01), _worker(2, 137, 10.02)]
+    job = _job(ws, {})
+    assert job.root_cause().rank == 2
+    assert "Root cause: rank 2 on host h was killed by signal SIGKILL" in job.report()
+    ws = [_worker(0, 1, 10.0), _worker(1, 1, 10.01), _worker(2, 137, 11.5)]
+    assert _job(ws, {}).root_cause().rank == 0
+    ws = [_worker(0, 1, 10.0), _worker(2, 137, 10.1, stopped=True, stop_time=10.05)]
+    assert _job(ws, {}).root_cause().rank == 0  # one we were stopping is never blamed so
+
+
 def test_a_rank_we_stopped_is_not_blamed():
     ws = [
         _worker(0, 1, 10.0),

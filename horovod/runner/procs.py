@@ -35,6 +35,9 @@ def _pdeathsig() -> None:  # pragma: no cover - runs in the child between fork a
         pass
 
 
+SAME_MOMENT_S = 1.0  # exits noticed this close together may have happened in either order
+
+
 @dataclass
 class Command:
     """One worker to start: ``argv`` with ``env``; ``stdin`` (remote workers: the supervisor's
@@ -214,15 +217,30 @@ class Job:
         own = [w for w in self.workers if (notes[w.rank] or ("",))[0] == "root"]
         if own:
             return min(own, key=lambda w: w.exit_time)
-        if (notes[self.first_failure.rank] or ("",))[0] == "consequence":
-            silent = [
-                w
-                for w in self.workers
-                if w.exit_code and notes[w.rank] is None and not self._ended_by_our_stop(w)
-            ]
+        first = self.first_failure
+        silent = [
+            w
+            for w in self.workers
+            if w.exit_code and notes[w.rank] is None and not self._ended_by_our_stop(w)
+        ]
+        if (notes[first.rank] or ("",))[0] == "consequence":
             if silent:
                 return min(silent, key=lambda w: w.exit_time)
-        return self.first_failure
+        elif notes[first.rank] is None:
+            # No record says why the first one ended, and exit order is only as good as
+            # the moment each rank's wait thread got the CPU. A rank killed by a signal (not
+            # ours, nor one we were stopping) within a moment of it died without a word, and the ranks that ended with
+            # an exit code just then most likely lost it: it is the cause.
+            killed = [
+                w
+                for w in silent
+                if (w.exit_code or 0) > 128
+                and not w.stopped_by_us
+                and w.exit_time - first.exit_time < SAME_MOMENT_S
+            ]
+            if killed:
+                return min(killed, key=lambda w: w.exit_time)
+        return first
 
     def _ended_by_our_stop(self, w: Worker) -> bool:
         if not w.stopped_by_us:
