@@ -39,6 +39,8 @@ NOT_EXPRESS: Any = object()
 # How much longer than the spin time an express call waits for its peers' posts, per byte of
 # its op: a peer may still be moving the previous op's bytes (1 GB/s: 16 MiB, 17 ms).
 WAIT_PER_BYTE_S = 1e-9
+# The most an express call waits for the engine thread to let ``drive`` go (else it submits).
+DRIVE_WAIT_MAX_S = 0.001
 
 
 class ExpressPaths(Driving):
@@ -180,12 +182,17 @@ class ExpressPaths(Driving):
             return NOT_EXPRESS
         self.express_key = (0, name)  # from here a submission under this name is refused
         # (the engine thread may hold ``drive`` for a moment more, finishing the loop that
-        # ran this thread's previous op: waiting up to the spin time for it keeps a loop of
-        # large calls on the express way instead of handing every call over)
-        wait = self.spin_s
-        if self.table or not (
-            self.drive.acquire(timeout=wait) if wait > 0 else self.drive.acquire(blocking=False)
-        ):
+        # ran this thread's previous op: waiting a little for it keeps a loop of large calls
+        # on the express way instead of handing every call over)
+        wait = min(self.spin_s, DRIVE_WAIT_MAX_S)
+        try:
+            took = not self.table and (
+                self.drive.acquire(timeout=wait) if wait > 0 else self.drive.acquire(blocking=False)
+            )
+        except BaseException:  # (interrupted while waiting: nothing happened)
+            self.express_key = None
+            raise
+        if not took:
             self.express_key = None
             return NOT_EXPRESS
         resp: Response | None = None
