@@ -255,20 +255,20 @@ class PolledTcpTransport(PolledTransport):
         except (OSError, ValueError):
             return False
 
-    def _poll_object(self, wake: bool = False, board: bool = True) -> Any:
+    def _poll_object(self, wake: bool = False) -> Any:
         """A poll object for what ``_register`` names."""
         p = select.poll()
-        self._register(p, wake, board)
+        self._register(p, wake)
         return p
 
     def watch(self, poller: Any) -> None:
         """Register in ``poller`` what wakes a thread sleeping for this transport (for a
         transport that sleeps on its own socket too: shared memory between the ranks of a
         host, this for the others); ``settle`` after the poll."""
-        self._register(poller, wake=True, board=True)
+        self._register(poller, wake=True)
 
-    def _register(self, p: Any, wake: bool, board: bool) -> None:
-        """The live control sockets (and with ``board`` the board connections) in poll
+    def _register(self, p: Any, wake: bool) -> None:
+        """The live control sockets (and the board connections, if any) in poll
         object ``p``: readable, or writable where a backlog waits for room; and the wake-up
         pipe if ``wake``."""
         pending = self._pending
@@ -278,7 +278,7 @@ class PolledTcpTransport(PolledTransport):
                 # (a frame held behind a post waits for the board's room, not this socket's)
                 out = peer in pending and not (tb is not None and tb.holds(peer))
                 p.register(sock, select.POLLIN | (select.POLLOUT if out else 0))
-        if board and tb is not None:
+        if tb is not None:
             full = tb.backlogged()
             for sock in tb.live():
                 p.register(sock, select.POLLIN | (select.POLLOUT if sock in full else 0))
