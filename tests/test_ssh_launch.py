@@ -53,6 +53,24 @@ def test_exportable_environment_follows_upstreams_rule():
         "MY_VAR": "1",
     }
     assert ssh.exportable(env) == {"PATH": "/bin", "MY_VAR": "1"}
+    # workers on the launcher's host inherit the rest, except the launcher's own secret
+    assert ssh.host_only(env) == {"CUDA_VISIBLE_DEVICES": "0", "OLDPWD": "/"}
+
+
+def test_local_workers_see_the_gpus_the_launcher_sees():
+    """``CUDA_VISIBLE_DEVICES=2,3 horovodrun -np 2 ...`` on one host: each rank sees those
+    two GPUs (upstream's local workers inherit them), not every GPU of the machine."""
+    from conftest import run_script
+
+    r = run_script(
+        "import os, horovod.torch as hvd\n"
+        "hvd.init()\n"
+        "print('SEES', hvd.rank(), os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)\n",
+        2,
+        env={"CUDA_VISIBLE_DEVICES": "2,3"},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SEES 0 2,3" in r.stdout and "SEES 1 2,3" in r.stdout
 
 
 def test_payload_carries_env_and_cwd_but_not_host_local_names():

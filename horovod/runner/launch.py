@@ -465,7 +465,10 @@ def main(
         if host not in local_names:  # a host discovered later
             local_names[host] = is_local(host)
         if local_names[host]:
-            return Command(rank, host, command, env)
+            # A local worker inherits what remote ones may not get (upstream's workers on the
+            # launcher's host inherit its whole environment): CUDA_VISIBLE_DEVICES above all,
+            # or local_rank would pick among GPUs the user hid.
+            return Command(rank, host, command, {**ssh.host_only(os.environ), **env})
         argv = ssh.ssh_command(
             host,
             supervisor,

@@ -43,6 +43,16 @@ def exportable(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not NOT_EXPORTED.match(k)}
 
 
+def host_only(environ: Mapping[str, str]) -> dict[str, str]:
+    """What ``exportable`` leaves out that workers on the launcher's own host inherit (the
+    GPUs it sees); never the launcher's own job secret."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if NOT_EXPORTED.match(k) and k != "HOROVOD_SECRET_KEY" and not k.startswith("BASH_FUNC_")
+    }
+
+
 def ssh_command(
     host: str,
     remote: str,
