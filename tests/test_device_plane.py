@@ -3,7 +3,7 @@ in for NCCL and host stand-in streams check the ordering (HOROVOD_DEVICE_PLANE_T
 Everything but the CUDA calls runs: path choice, process-group bootstrap from the job's own
 ranks, device fusion, every collective with upstream's numerics, the staged path through
 host memory and the CPU planes, hierarchical allreduce, errors, the timeline. The results
-must have the bits of the CPU planes' results. GPU tests at the end skip without CUDA."""
+must have the bits of the CPU planes' results. The tests on a real GPU are in test_device_plane_gpu.py."""
 
 from __future__ import annotations
 
@@ -12,100 +12,32 @@ import json
 import numpy as np
 import pytest
 import torch
+from device_helpers import (
+    SHARED,
+    STAGED,
+    STANDIN,
+    bits_of,
+    device_plane,
+    every_collective,
+    horovodrun_script,
+)
 
 import horovod.torch as hvd
 from horovod.common.exceptions import HorovodInternalError
 from horovod.testing import run_ranks
 
-STANDIN = {"HOROVOD_DEVICE_PLANE_TEST": "gloo"}
-STAGED = {**STANDIN, "HOROVOD_GPU_OPERATIONS": "staged"}
-
-needs_gpu = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (the device tool's machine)"
-)
-
-
-def _plane():
-    from horovod.core.context import current
-
-    return current().engine.device_plane
-
-
-def _bits(t) -> bytes:
-    t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy().tobytes()
-
-
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.uint8]
-
-
-def _scenario(rank: int) -> list[bytes]:
-    """Every collective with its variants; every result as bytes."""
-    g = torch.Generator().manual_seed(100 + rank)
-    out: list[bytes] = []
-    for dt in DTYPES:
-        # Values whose sums and products are exact in every type: the process group and the
-        # CPU planes add in different orders, and must still agree to the bit.
-        base = torch.randint(0, 4, (5, 3), generator=g).to(dt)
-        if dt.is_floating_point:
-            base = base / 4
-        for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
-            if dt == torch.uint8 and op in (hvd.Average, hvd.Product):
-                continue
-            out.append(_bits(hvd.allreduce(base, op=op, name=f"ar.{dt}.{op}")))
-        if dt.is_floating_point:
-            out.append(
-                _bits(
-                    hvd.allreduce(base, op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)
-                )
-            )
-    flags = torch.tensor([rank == 0, True, False, rank == 1])
-    for op in (hvd.Sum, hvd.Min, hvd.Max):
-        out.append(_bits(hvd.allreduce(flags, op=op)))
-    # grouped (fused on the device), in place
-    ts = [torch.arange(4.0) * (rank + 1), torch.ones(2, 2) * rank, torch.tensor([rank * 1.5])]
-    hvd.grouped_allreduce_(ts, op=hvd.Sum)
-    out += [_bits(t) for t in ts]
-    # allgather with rows that differ by rank, alone and grouped
-    out.append(_bits(hvd.allgather(torch.full((rank + 1, 2), rank, dtype=torch.int64))))
-    gs = hvd.grouped_allgather([torch.ones(rank + 2) * rank, torch.arange(2.0 * (rank + 1))])
-    out += [_bits(x) for x in gs]
-    out.append(_bits(hvd.allgather(torch.tensor([[rank, rank + 1]], dtype=torch.float16))))
-    # broadcast from every root, in place too
-    for root in range(hvd.size()):
-        out.append(_bits(hvd.broadcast(torch.arange(3.0) + rank, root)))
-    b = torch.full((4,), float(rank))
-    hvd.broadcast_(b, hvd.size() - 1)
-    out.append(_bits(b))
-    # alltoall with uneven splits
-    n = hvd.size()
-    splits = torch.tensor([(rank + p) % 3 for p in range(n)], dtype=torch.int32)
-    x = torch.arange(int(splits.sum()) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
-    got, recv = hvd.alltoall(x, splits=splits)
-    out += [_bits(got), _bits(recv)]
-    # reducescatter, rows not divisible by the size, alone and grouped
-    out.append(_bits(hvd.reducescatter(torch.arange(7.0) * (rank + 1), op=hvd.Sum)))
-    out.append(_bits(hvd.reducescatter(torch.arange(10.0).reshape(5, 2) + rank, op=hvd.Average)))
-    rs = hvd.grouped_reducescatter([torch.ones(4) * rank, torch.arange(6.0) + rank])
-    out += [_bits(r) for r in rs]
-    # Adasum (the staged path: its coefficients are computed on the host)
-    out.append(_bits(hvd.allreduce(torch.tensor([1.0, 2.0, 0.5]) * (rank + 1), op=hvd.Adasum)))
-    return out
-
 
 @pytest.fixture(scope="module")
 def cpu_results():
-    return {n: run_ranks(_scenario, n, timeout=120) for n in (2, 3)}
+    return {n: run_ranks(every_collective, n, timeout=120) for n in (2, 3)}
 
 
 @pytest.mark.parametrize("size", [2, 3])
-@pytest.mark.parametrize("env", [STANDIN, STAGED], ids=["device", "staged"])
+@pytest.mark.parametrize("env", [STANDIN, STAGED, SHARED], ids=["device", "staged", "shared"])
 def test_every_collective_has_the_cpu_planes_bits(size, env, cpu_results):
     def body(rank):
-        res = _scenario(rank)
-        return res, dict(_plane().path_counts)
+        res = every_collective(rank)
+        return res, dict(device_plane().path_counts)
 
     got = run_ranks(body, size, env=env, timeout=120)
     for rank, (res, counts) in enumerate(got):
@@ -114,8 +46,61 @@ def test_every_collective_has_the_cpu_planes_bits(size, env, cpu_results):
             assert a == b, f"rank {rank}: result {i} differs from the CPU planes'"
         if env is STAGED:
             assert counts["device"] == 0 and counts["staged"] > 0
+        elif env is SHARED:  # allreduce, broadcast, allgather; the others through the host
+            assert counts["device"] == 0 and counts["shared"] > 30 and counts["staged"] == 5
         else:  # only Adasum is staged
             assert counts["staged"] == 1 and counts["device"] > 40
+
+
+def test_shared_gpu_path_in_chunks_of_its_window(monkeypatch):
+    """Ops larger than the window: allreduce and broadcast go through it in chunks, an
+    allgather whose rows do not fit takes the staged path; the results are the CPU planes'."""
+    from horovod.device import ipc
+
+    monkeypatch.setattr(ipc, "WINDOW_BYTES", 256)
+
+    def body(rank):
+        x = torch.arange(1001, dtype=torch.float32) * (rank + 1)
+        outs = [
+            hvd.allreduce(x, op=hvd.Sum, name="big"),
+            hvd.allreduce(x.to(torch.float64), op=hvd.Average, name="big64"),
+            hvd.allreduce(torch.arange(3) % 2 == rank % 2, op=hvd.Sum, name="bool"),
+            hvd.allreduce(torch.tensor([rank + 1.0] * 5), op=hvd.Product, name="prod"),
+            hvd.allreduce(torch.tensor([float(rank)] * 7), op=hvd.Min, name="min"),
+            hvd.broadcast(x + 0.5, 2, name="bc"),
+            hvd.allgather(torch.full((rank + 1, 3), float(rank)), name="small"),
+            hvd.allgather(x[: 100 * (rank + 1)], name="large"),  # 400-1200 bytes a rank
+        ]
+        return [bits_of(o) for o in outs], hvd.device_paths()
+
+    cpu = run_ranks(lambda r: body(r)[0], 3)
+    for rank, (res, counts) in enumerate(run_ranks(body, 3, env=SHARED, timeout=120)):
+        assert res == cpu[rank], rank
+        assert counts == {"device": 0, "shared": 7, "staged": 1}, counts
+
+
+def test_shared_gpu_path_in_separate_processes_leaves_no_shared_memory(tmp_path):
+    import glob
+
+    before = set(glob.glob("/dev/shm/hvd-window-*"))
+    r = horovodrun_script(
+        tmp_path,
+        2,
+        """
+        import torch, horovod.torch as hvd
+        hvd.init()
+        x = torch.arange(6.0) * (hvd.rank() + 1)
+        s = hvd.allreduce(x, op=hvd.Sum)
+        g = hvd.allgather(x[: hvd.rank() + 1])
+        b = hvd.broadcast(x, 1)
+        print("RESULT", s.tolist(), g.tolist(), b.tolist(), hvd.device_paths(), flush=True)
+        """,
+        env=SHARED,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    want = "[0.0, 3.0, 6.0, 9.0, 12.0, 15.0] [0.0, 0.0, 2.0] [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]"
+    assert f"[0]<stdout>:RESULT {want} {{'device': 0, 'shared': 3, 'staged': 0}}" in r.stdout
+    assert set(glob.glob("/dev/shm/hvd-window-*")) <= before
 
 
 def test_per_op_setting_picks_the_path():
@@ -123,13 +108,13 @@ def test_per_op_setting_picks_the_path():
 
     def body(rank):
         hvd.allreduce(torch.ones(3))
-        before = dict(_plane().path_counts)
+        before = dict(device_plane().path_counts)
         hvd.allgather(torch.ones(2))
-        return before, dict(_plane().path_counts)
+        return before, dict(device_plane().path_counts)
 
     for before, after in run_ranks(body, 2, env=env):
-        assert before == {"device": 1, "staged": 0}
-        assert after == {"device": 1, "staged": 1}
+        assert before == {"device": 1, "shared": 0, "staged": 0}
+        assert after == {"device": 1, "shared": 0, "staged": 1}
 
 
 def test_streams_are_ordered_for_every_op():
@@ -141,7 +126,7 @@ def test_streams_are_ordered_for_every_op():
             hvd.allreduce_async(torch.ones(4) * i, name=f"s{i}", op=hvd.Sum) for i in range(5)
         ]
         outs = [hvd.synchronize(h) for h in handles]
-        return list(_plane().streams.log), [o.tolist() for o in outs]
+        return list(device_plane().streams.log), [o.tolist() for o in outs]
 
     for log, outs in run_ranks(body, 2, env=STANDIN):
         assert outs == [[2.0 * i] * 4 for i in range(5)]
@@ -193,7 +178,7 @@ def test_distributed_optimizer_sync_batch_norm_and_fp16_match_the_cpu_planes():
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        return [_bits(p) for p in model.state_dict().values()]
+        return [bits_of(p) for p in model.state_dict().values()]
 
     cpu = run_ranks(body, 2, timeout=120)
     dev = run_ranks(body, 2, env=STANDIN, timeout=120)
@@ -223,7 +208,7 @@ def test_process_sets_get_their_own_groups():
             if rank in (0, 2):
                 out = hvd.allreduce(torch.ones(2) * rank, op=hvd.Sum, process_set=ps).tolist()
             whole = hvd.allreduce(torch.ones(2) * rank, op=hvd.Sum).tolist()
-            return out, whole, sorted(_plane().groups)
+            return out, whole, sorted(device_plane().groups)
         finally:
             hvd.remove_process_set(ps)
 
@@ -236,9 +221,9 @@ def test_process_sets_get_their_own_groups():
         ps = hvd.add_process_set([0, 1])
         if rank < 2:
             hvd.allreduce(torch.ones(2), process_set=ps)
-        before = sorted(_plane().groups) if rank < 2 else []
+        before = sorted(device_plane().groups) if rank < 2 else []
         hvd.remove_process_set(ps)
-        return before, sorted(_plane().groups) if rank < 2 else []
+        return before, sorted(device_plane().groups) if rank < 2 else []
 
     env = {**STANDIN, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
     res = run_ranks(removed, 3, env=env)
@@ -252,7 +237,7 @@ def test_hierarchical_allreduce_device_within_hosts_cpu_across():
         x = torch.arange(6, dtype=torch.float64) * (rank + 1) + 0.25
         out = [hvd.allreduce(x, op=op, name=f"h{op}") for op in (hvd.Sum, hvd.Average, hvd.Max)]
         fused = hvd.grouped_allreduce([x[:2], x * 2], op=hvd.Sum)
-        return [_bits(t) for t in out + fused], sorted(_plane().groups[0].__dict__)
+        return [bits_of(t) for t in out + fused], sorted(device_plane().groups[0].__dict__)
 
     env = {**STANDIN, "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}
     dev = run_ranks(body, 4, env=env, hosts=hosts)
@@ -335,37 +320,14 @@ def test_choose_path():
 def test_the_plane_is_released_at_shutdown_and_made_again_after_init():
     def body(rank):
         first = hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist()
-        plane = _plane()
+        plane = device_plane()
         hvd.shutdown()
         hvd.init()
         second = hvd.allreduce(torch.ones(2) * 2, op=hvd.Sum).tolist()
-        return first, second, plane.groups == {}, _plane() is not plane
+        return first, second, plane.groups == {}, device_plane() is not plane
 
     for first, second, cleared, fresh in run_ranks(body, 2, env=STANDIN):
         assert first == [2.0, 2.0] and second == [4.0, 4.0] and cleared and fresh
-
-
-# --- on a real GPU (skipped without one) -------------------------------------------------
-
-
-@needs_gpu
-def test_gpu_one_rank_nccl_every_collective():
-    def body(rank):
-        torch.cuda.set_device(0)
-        x = torch.arange(6.0, device="cuda")
-        outs = [
-            hvd.allreduce(x, op=hvd.Average),
-            hvd.allgather(x),
-            hvd.broadcast(x, 0),
-            hvd.alltoall(x)[0] if hasattr(hvd, "alltoall") else x,
-            hvd.reducescatter(x),
-        ]
-        assert all(o.device.type == "cuda" for o in outs)
-        return [o.cpu().tolist() for o in outs], dict(_plane().path_counts)
-
-    ((outs, counts),) = run_ranks(body, 1)
-    assert outs[0] == list(np.arange(6.0))
-    assert counts["device"] == 5
 
 
 # --- whole jobs under horovodrun, on the stand-in -------------------------------------------
@@ -380,6 +342,7 @@ def test_digits_example_trains_on_the_device_plane(tmp_path, monkeypatch):
         return [line for line in r.stdout.splitlines() if "<stdout>:epoch" in line]
 
     args = ("--checkpoint", str(tmp_path / "c.pt"), "--epochs", "4", "--min-accuracy", "0.5")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CPU tensors (the stand-in's) on any machine
     on_cpu_planes = epochs(horovodrun_example(2, "pytorch_digits.py", *args))
     timeline = tmp_path / "timeline.json"
     monkeypatch.setenv("HOROVOD_DEVICE_PLANE_TEST", "gloo")
@@ -452,98 +415,24 @@ def test_gpu_benchmark_runs_on_the_stand_in():
     assert "x the plain step" in r.stdout
     staged = next(line for line in r.stdout.splitlines() if line.startswith("staged allreduce"))
     assert "'device': 0" in staged and "'staged': 0" not in staged
+    shared = next(line for line in r.stdout.splitlines() if line.startswith("shared-GPU"))
+    assert "'device': 0" in shared and "'shared': 0" not in shared and "'staged': 0" in shared
     rows = [line for line in r.stdout.splitlines() if "torch.distributed Gloo" in line]
     assert len(rows) == 6  # three ops at 1 and 2 ranks, each with its ratio
-
-
-def _horovodrun_script(tmp_path, np_: int, body: str, timeout: float = 180):
-    import subprocess
-    import sys
-    import textwrap
-
-    from conftest import REPO
-
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(body))
-    env = dict(__import__("os").environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "horovod.runner.launch", "-np", str(np_), sys.executable]
-    return subprocess.run(
-        cmd + [str(script)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-
-
-@needs_gpu
-def test_gpu_two_ranks_sharing_the_gpu_take_the_staged_path(tmp_path):
-    r = _horovodrun_script(
-        tmp_path,
-        2,
-        """
-        import torch, horovod.torch as hvd
-        from horovod.core.context import current
-        hvd.init()
-        torch.cuda.set_device(0)
-        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * (hvd.rank() + 1)
-        s = hvd.allreduce(x, op=hvd.Sum)
-        g = hvd.allgather(x[:3])
-        b = hvd.broadcast(x[:4], 1)
-        ok = bool(torch.equal(s, torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 3))
-        paths = current().engine.device_plane.path_counts
-        print("RESULT", ok, s.device.type, g.tolist(), b.tolist(), paths["staged"] > 0,
-              paths["device"] == 0, flush=True)
-        """,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert (
-        "[0]<stdout>:RESULT True cuda [0.0, 1.0, 2.0, 0.0, 2.0, 4.0] [0.0, 2.0, 4.0, 6.0] True True"
-        in r.stdout
-    )
-
-
-@needs_gpu
-@pytest.mark.parametrize("np_", [1, 2])
-def test_gpu_digits_example_trains_on_cuda(tmp_path, np_):
-    from conftest import horovodrun_example
-
-    args = ("--checkpoint", str(tmp_path / "c.pt"), "--epochs", "6", "--min-accuracy", "0.8")
-    r = horovodrun_example(np_, "pytorch_digits.py", *args)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-@needs_gpu
-def test_gpu_cpu_tensor_on_one_rank_cuda_on_the_other_fails_on_both(tmp_path):
-    r = _horovodrun_script(
-        tmp_path,
-        2,
-        """
-        import torch, horovod.torch as hvd
-        hvd.init()
-        torch.cuda.set_device(0)
-        x = torch.ones(3, device="cuda" if hvd.rank() == 1 else "cpu")
-        try:
-            hvd.allreduce(x, name="mixed")
-        except hvd.HorovodInternalError as e:
-            print("REFUSED", "device CPU on rank 0" in str(e), flush=True)
-        """,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("REFUSED True") == 2
-
-
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
-)
-def test_gpu_tensors_on_two_devices_in_one_grouped_call_are_refused():
-    def body(rank):
-        with pytest.raises(ValueError, match="same device"):
-            hvd.grouped_allreduce([torch.ones(2, device="cuda:0"), torch.ones(2, device="cuda:1")])
-
-    run_ranks(body, 1)
 
 
 # --- JAX arrays and TensorFlow tensors reach the same plane (DLPack) ------------------------
 
 
 def _jax_scenario(rank):
+    import jax
+
+    # host arrays (the stand-in's): on a machine with a GPU, JAX would put them there
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _jax_ops(rank)
+
+
+def _jax_ops(rank):
     import jax
     import jax.numpy as jnp
 
@@ -628,4 +517,11 @@ def test_build_flags_follow_the_installed_torch(monkeypatch):
     finally:
         monkeypatch.undo()
         util._torch_gpu_stack.cache_clear()
-    assert util.nccl_built() == 0  # this machine: a CPU build
+    # this machine: 0 on a CPU build of torch; on a CUDA build, the NCCL that torch loads
+    import torch
+
+    want = 0
+    if torch.version.cuda:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+        want = major * 10000 + minor * 100 + patch
+    assert util.nccl_built() == want

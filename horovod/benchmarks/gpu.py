@@ -8,11 +8,14 @@ It prints, with the GPU's name and the date:
 
 - ``optimizer``: a training step with ``hvd.DistributedOptimizer`` at 1 rank against the plain
   optimizer (the device plane's overhead; target at most 1.05x);
-- ``staged``: a 64 MiB allreduce at 2 ranks sharing the GPU (the staged path: NCCL refuses two
-  ranks on one GPU) against the host<->device copy bandwidth measured in the same processes
-  (a round trip of the same bytes through pinned memory; target at least 70%);
+- ``staged``: a 64 MiB allreduce at 2 ranks sharing the GPU on the staged path (asked for
+  with ``HOROVOD_GPU_OPERATIONS=staged``) against the host<->device copy bandwidth measured in
+  the same processes (a round trip of the same bytes through pinned memory; target at least
+  70%), then the same on the shared-GPU path that such ranks take by default (NCCL refuses
+  two ranks on one GPU);
 - ``collectives``: allreduce, allgather and broadcast of CUDA tensors, pyhorovod against
-  torch.distributed in the same run: NCCL at 1 rank, Gloo on CUDA tensors at 2 ranks.
+  torch.distributed in the same run: NCCL at 1 rank, Gloo on CUDA tensors at 2 ranks (ours
+  on the shared-GPU path).
 
 ``--standin`` runs everything on CPU tensors with PyTorch's Gloo standing in for NCCL
 (``HOROVOD_DEVICE_PLANE_TEST=gloo``): its figures say nothing about GPUs; it checks that the
@@ -209,7 +212,7 @@ def _run(
         *(["--standin"] if args.standin else []),
         *extra,
     ]
-    env = {**(env or {}), **({"HOROVOD_DEVICE_PLANE_TEST": "gloo"} if args.standin else {})}
+    env = {**({"HOROVOD_DEVICE_PLANE_TEST": "gloo"} if args.standin else {}), **(env or {})}
     launch.run(launcher, np_, module_args, extra_env=env)
     with open(out_file) as f:
         data = json.load(f)
@@ -255,23 +258,21 @@ def main(argv: list[str] | None = None) -> int:
         f"optimizer step, 1 rank: plain {opt['plain'] * 1e3:.2f} ms, DistributedOptimizer "
         f"{opt['horovod'] * 1e3:.2f} ms: {ratio:.3f}x the plain step (target <= 1.05)"
     )
-    # (on the stand-in each rank is a device of its own: ask for the staged path)
-    st = _run(
-        "horovodrun",
-        2,
-        "staged",
-        args,
-        [],
-        {"HOROVOD_GPU_OPERATIONS": "staged"} if args.standin else {},
-    )
     mb = args.staged_bytes / MIB
-    copy_bw = args.staged_bytes / st["copy_round_trip"] / 1e9
-    ar_bw = args.staged_bytes / st["allreduce"] / 1e9
-    print(
-        f"staged allreduce, 2 ranks on one GPU, {mb:.0f} MiB: {st['allreduce'] * 1e3:.2f} ms "
-        f"({ar_bw:.2f} GB/s) against a host<->device round trip of {copy_bw:.2f} GB/s: "
-        f"{ar_bw / copy_bw:.0%} (target >= 70%; paths taken {st['paths']})"
-    )
+    # The staged path (asked for: two ranks on one GPU take the shared-GPU path by default),
+    # then the shared-GPU path (on the stand-in: every rank of the host on one device).
+    for label, env in (
+        ("staged", {"HOROVOD_GPU_OPERATIONS": "staged"}),
+        ("shared-GPU", {"HOROVOD_DEVICE_PLANE_TEST": "shared"} if args.standin else {}),
+    ):
+        st = _run("horovodrun", 2, "staged", args, [], env)
+        copy_bw = args.staged_bytes / st["copy_round_trip"] / 1e9
+        ar_bw = args.staged_bytes / st["allreduce"] / 1e9
+        print(
+            f"{label} allreduce, 2 ranks on one GPU, {mb:.0f} MiB: {st['allreduce'] * 1e3:.2f} ms "
+            f"({ar_bw:.2f} GB/s) against a host<->device round trip of {copy_bw:.2f} GB/s: "
+            f"{ar_bw / copy_bw:.0%} (staged target >= 70%; paths taken {st['paths']})"
+        )
     print("\ncollectives on device tensors (median ms; ratio > 1: pyhorovod faster)")
     print(f"{'ranks':>5} {'op':>10} {'size':>8} {'pyhorovod':>10} {'torch':>10} {'ratio':>6}  peer")
     for np_ in (1, 2):

@@ -267,8 +267,11 @@ class Config:
         "",
         "Testing the device plane without a GPU: gloo treats CPU torch tensors as device "
         "tensors and runs the device plane's collectives with PyTorch's Gloo process group "
-        "standing in for NCCL (streams become host stand-ins that check their ordering).",
-        choices=("gloo",),
+        "standing in for NCCL (streams become host stand-ins that check their ordering); "
+        "shared does the same with every rank of a host on one stand-in device, so that "
+        "allreduce, broadcast and allgather take the shared-GPU path through host shared "
+        "memory.",
+        choices=("gloo", "shared"),
     )
     shared_memory: bool = _knob(
         "HOROVOD_SHARED_MEMORY",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -24,26 +25,36 @@ import torch
 import torch.distributed as dist
 
 from horovod.collectives import algorithms as alg
+from horovod.core.messages import ALLGATHER, ALLREDUCE, BROADCAST
 
 STAGED_SETTINGS = ("staged", "mpi", "gloo")
+# what ranks sharing one GPU run through each other's device memory (``device.ipc``)
+SHARED_GPU_OPS = frozenset({ALLREDUCE, ALLGATHER, BROADCAST})
 
 
-def describe_self(device: torch.device, backend: str) -> bytes:
-    """This rank's record for ``choose_path``."""
+def describe_self(device: torch.device, backend: str, shared_standin: bool = False) -> bytes:
+    """This rank's record for ``choose_path``: its GPU, whether NCCL is there, and how it
+    can share memory with ranks on the same GPU (``ipc``: CUDA IPC between processes, or the
+    stand-in's host memory)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         ident = str(getattr(props, "uuid", "")) or f"cuda:{device.index}"
         ok = dist.is_nccl_available()
-    else:  # the stand-in: each rank is a device of its own, Gloo always present
-        ident = f"standin:{uuid.uuid4()}"
+        ipc = f"cuda:{os.getpid()}"
+    else:  # the stand-in: each rank is a device of its own (or, shared, one per host)
+        ident = "standin:shared" if shared_standin else f"standin:{uuid.uuid4()}"
         ok = backend == "gloo" and dist.is_gloo_available()
-    return json.dumps({"device": ident, "backend_ok": ok}).encode()
+        ipc = "host"
+    return json.dumps({"device": ident, "backend_ok": ok, "ipc": ipc}).encode()
 
 
 def choose_path(
     records: Sequence[bytes], hosts: Sequence[str] | None, settings: Mapping[int, str]
 ) -> tuple[dict[int, str], str]:
-    """``({op: "device" | "staged"}, why the device path is out or "")``."""
+    """``({op: "device" | "shared" | "staged"}, why the device path is out or "")``.
+
+    ``shared`` (``device.ipc``): every rank of the set on one GPU of one host, each a process
+    of its own (CUDA IPC cannot open a process's own memory), for the ops it has."""
     infos = [json.loads(r) for r in records]
     hosts = list(hosts) if hosts else ["localhost"] * len(infos)
     why = ""
@@ -57,11 +68,23 @@ def choose_path(
             if other != r:
                 why = f"ranks {other} and {r} share one GPU on host {h} (NCCL needs a GPU per rank)"
                 break
-    paths = {
-        op: "staged" if why or setting in STAGED_SETTINGS else "device"
-        for op, setting in settings.items()
-    }
-    return paths, why
+    one_gpu = len({(h, info["device"]) for h, info in zip(hosts, infos, strict=True)}) == 1
+    ipcs = [info.get("ipc", "") for info in infos]
+    shared = (
+        len(infos) > 1
+        and one_gpu
+        and all(ipcs)
+        and (all(i == "host" for i in ipcs) or len(set(ipcs)) == len(ipcs))
+    )
+
+    def path(op: int, setting: str) -> str:
+        if setting in STAGED_SETTINGS:
+            return "staged"
+        if shared and op in SHARED_GPU_OPS:
+            return "shared"
+        return "staged" if why else "device"
+
+    return {op: path(op, setting) for op, setting in settings.items()}, why
 
 
 def bootstrap(

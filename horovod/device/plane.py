@@ -41,7 +41,7 @@ from horovod.core.messages import (
     Response,
 )
 from horovod.device import collectives as dcol
-from horovod.device import staged
+from horovod.device import ipc, staged
 from horovod.device.arrays import DeviceArray
 from horovod.device.groups import bootstrap, choose_path, describe_self
 from horovod.device.streams import CudaStreams, HostStreams
@@ -86,6 +86,7 @@ class SetGroup:
         self.pg: Any = None
         self.local: SetGroup | None = None  # hierarchical: the ranks of this host
         self.stores: list[Any] = []
+        self.shared: ipc.SharedGpu | None = None  # ranks on one GPU: their windows
 
 
 class DevicePlane:
@@ -95,6 +96,7 @@ class DevicePlane:
         self.config = config
         self.device = plane_device(config, local_rank)
         self.standin = bool(config.device_plane_test)
+        self.shared_standin = config.device_plane_test == "shared"
         self.backend = "gloo" if self.standin else "nccl"
         self.streams: Any = (
             HostStreams(self.device) if self.device.type == "cpu" else CudaStreams(self.device)
@@ -104,13 +106,14 @@ class DevicePlane:
         self.hierarchical = hierarchical
         self.groups: dict[int, SetGroup] = {}
         self.timeout = datetime.timedelta(seconds=max(30.0, config.timeout_seconds))
-        self.path_counts = {"device": 0, "staged": 0}
+        self.path_counts = {"device": 0, "shared": 0, "staged": 0}
 
     # --- the set's group -------------------------------------------------------------------
     def _group(self, ps_id: int, view: Any) -> SetGroup:
         g = self.groups.get(ps_id)
         if g is None:
-            records = _gather_records(view, describe_self(self.device, self.backend))
+            mine = describe_self(self.device, self.backend, self.shared_standin)
+            records = _gather_records(view, mine)
             settings = {
                 op: getattr(self.config, name) or self.config.gpu_operations
                 for op, name in OP_SETTING.items()
@@ -160,7 +163,6 @@ class DevicePlane:
         results as ``core.ops.execute``'s, each carrying the plane's done event."""
         g = self._group(resp.ps_id, view)
         path = self.path_of(resp.ps_id, resp.op, resp.reduce_op)
-        self.path_counts[path] += 1
         with self.streams.plane():
             for e in entries:
                 if e is not None:
@@ -168,13 +170,19 @@ class DevicePlane:
                     out = e.output
                     if out is not None and out is not e.array:
                         self.streams.keep(out.tensor)  # written on the plane's stream
+            if path == "shared" and resp.op == ALLGATHER:
+                if not self._shared(g, view).fits_allgather(resp, self._itemsize(resp)):
+                    path = "staged"  # a rank's rows over the window: through the host
             if path == "staged":
                 results = staged.execute(
                     resp, entries, view, self.stage, self.fusion, buffers, trace, self.device
                 )
+            elif path == "shared":
+                results = self._on_shared_gpu(g, resp, entries, view, trace)
             else:
                 results = self._on_device(g, resp, entries, view, trace)
             done = self.streams.record()
+        self.path_counts[path] += 1
         if path == "staged":
             self.stage.last_done = done
         trace(None)
@@ -206,6 +214,35 @@ class DevicePlane:
         if op == REDUCESCATTER:
             return dcol.reducescatter(resp, present, pg, self.fusion, self.device, view.rank)
         raise AssertionError(f"no device executor for op {op}")
+
+    def _shared(self, g: SetGroup, view: Any) -> ipc.SharedGpu:
+        if g.shared is None:
+            window: Any = (
+                ipc.HostWindow(ipc.WINDOW_BYTES)
+                if self.device.type == "cpu"
+                else ipc.CudaWindow(self.device, self.streams.stream, ipc.WINDOW_BYTES)
+            )
+            g.shared = ipc.SharedGpu(view, window)
+        return g.shared
+
+    @staticmethod
+    def _itemsize(resp: Response) -> int:
+        from horovod.common.dtypes import DTYPE_OF_CODE
+
+        return int(DTYPE_OF_CODE[resp.dtype].itemsize)
+
+    def _on_shared_gpu(
+        self, g: SetGroup, resp: Response, entries: Sequence[Any], view: Any, trace: Trace
+    ) -> list:
+        """Ranks on one GPU: through each other's device memory (``device.ipc``)."""
+        trace(f"SHARED_GPU_{ACTIVITY[resp.op]}")
+        shared = self._shared(g, view)
+        if resp.op == ALLREDUCE:
+            return ipc.allreduce(resp, entries, shared, self.fusion)
+        present = [e for e in entries if e is not None]
+        if resp.op == BROADCAST:
+            return ipc.broadcast(resp, present[0], shared)
+        return ipc.allgather(resp, present, shared, self.device)
 
     def _hierarchical_allreduce(
         self,
@@ -262,7 +299,11 @@ class DevicePlane:
 
 
 def _shutdown(g: SetGroup) -> None:
-    """Release a set's process groups (NCCL's communicators; Gloo's go with the object)."""
+    """Release a set's process groups (NCCL's communicators; Gloo's go with the object) and
+    its shared-GPU windows."""
+    if g.shared is not None:
+        g.shared.close()
+        g.shared = None
     for grp in (g, g.local):
         if grp is not None and grp.pg is not None and grp.backend == "nccl":
             with contextlib.suppress(Exception):

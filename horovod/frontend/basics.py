@@ -143,9 +143,11 @@ def use_device_plane(make: Callable[[Any, int], Any]) -> None:
 
 def device_paths() -> dict[str, int]:
     """How many device responses this rank ran on each path of the device data plane
-    (``{"device": n, "staged": m}``; zeros before the first one)."""
+    (``{"device": n, "shared": k, "staged": m}``; zeros before the first one)."""
     plane = require_context().engine.device_plane
-    return dict(plane.path_counts) if plane is not None else {"device": 0, "staged": 0}
+    if plane is None:
+        return {"device": 0, "shared": 0, "staged": 0}
+    return dict(plane.path_counts)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

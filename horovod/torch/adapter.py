@@ -64,6 +64,12 @@ def _device_array(t: torch.Tensor) -> Any:
     F.use_device_plane(make_device_plane)
     if t.device.type not in ("cuda", "cpu"):
         raise ValueError(f"tensors on {t.device.type} are not supported; use CPU or CUDA tensors")
+    if t.device.type == "cuda" and F.device_standin():
+        raise ValueError(
+            f"a tensor on {t.device} reached the device plane's CPU stand-in "
+            "(HOROVOD_DEVICE_PLANE_TEST, for tests without a GPU): unset "
+            "HOROVOD_DEVICE_PLANE_TEST to use the GPU, or keep the tensors on the CPU"
+        )
     return DeviceArray(t, ready_event(t))
 
 
