@@ -260,3 +260,48 @@ def test_a_control_message_waits_behind_a_post_to_the_same_peer():
             raise AssertionError("the control message never arrived")
     finally:
         _close(ts)
+
+
+def test_a_rank_that_left_after_a_round_does_not_fail_it_for_a_rank_still_posting():
+    """Over TCP a post and a later control message travel on different connections. Rank 2's
+    post to rank 0 is held back (as by a full socket); rank 1 finishes the round and shuts
+    down. Rank 0 must not fail the round with rank 1's shutdown while rank 2, still running,
+    has its post on the way: the round finishes, then the job ends cleanly (CI once saw this
+    fail)."""
+    from conftest import run_script
+
+    script = """
+        import time, numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r = hvd.rank()
+        x = np.full(6, r, np.uint8)
+        for _ in range(3):  # cached: later calls are peer rounds
+            hvd.broadcast_(x, 0, name="bc")
+        hvd.barrier()
+        if r == 2:
+            class Slow:  # rank 0's board socket takes nothing for a while
+                def __init__(self, sock, until):
+                    self._sock, self._until = sock, until
+                def _late(self):
+                    if time.monotonic() < self._until:
+                        raise BlockingIOError
+                def sendmsg(self, *a):
+                    self._late()
+                    return self._sock.sendmsg(*a)
+                def send(self, *a):
+                    self._late()
+                    return self._sock.send(*a)
+                def __getattr__(self, name):
+                    return getattr(self._sock, name)
+            peer0 = next(p for p in current().engine.board.peers if p.rank == 0)
+            peer0.sock = Slow(peer0.sock, time.monotonic() + 1.0)
+        if r == 1:
+            time.sleep(0.3)  # rank 0 waits in the round when it starts
+        hvd.broadcast_(x, 0, name="bc")
+        print("finished", r, x.tolist(), flush=True)
+    """
+    r = run_script(script, 3, env={"HOROVOD_SHARED_MEMORY": "0"}, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in range(3):
+        assert f"finished {rank} [0, 0, 0, 0, 0, 0]" in r.stdout, r.stdout + r.stderr

@@ -43,6 +43,9 @@ from horovod.core.validation import REFUSED_WHILE_JOINED, validate
 if TYPE_CHECKING:
     from horovod.core.engine_state import EngineState
 
+# The longest a shutdown list waits for this rank's open peer round (``_round_may_finish``).
+SHUTDOWN_HOLD_S = 5.0
+
 
 # ====================================================================================== coordinator
 class Coordinator(StallInspector):
@@ -61,6 +64,8 @@ class Coordinator(StallInspector):
         self.ready: list[tuple[int, str]] = []
         self.joined: dict[int, None] = {}  # global ranks joined, in join order
         self.shutdown_why: str | None = None
+        self.shut_ranks: set[int] = set()  # ranks that said they are shutting down
+        self.holding_since: float | None = None  # a shutdown list waits for a round (below)
         self.stall_check = stall_check
         self.stall_shutdown = stall_shutdown if stall_shutdown > stall_check else 0.0
         self.next_stall = engine.clock() + stall_check if stall_check > 0 else float("inf")
@@ -100,6 +105,7 @@ class Coordinator(StallInspector):
         elif tag == "S":
             if self.shutdown_why is None:
                 self.shutdown_why = str(msg[1])
+            self.shut_ranks.add(peer)
             self.e.closing = True
         elif tag == "A":
             self.e._abort(str(msg[1]))
@@ -226,7 +232,11 @@ class Coordinator(StallInspector):
     def timeout(self) -> float | None:
         now = self.e.clock()
         waits = []
-        if self.resend or (not self.paused and (self.ready or self.shutdown_why is not None)):
+        if self.holding_since is not None:  # (posts on their way wake the engine)
+            board = self.e.board
+            due = board is not None and board.open and board.due()
+            waits.append(0.0 if due else max(0.0, self.holding_since + SHUTDOWN_HOLD_S - now))
+        elif self.resend or (not self.paused and (self.ready or self.shutdown_why is not None)):
             waits.append(max(0.0, self._hold_until() - now))
         if self.next_stall != float("inf") and any(self.tables.values()):
             waits.append(max(0.0, self.next_stall - now))
@@ -235,6 +245,32 @@ class Coordinator(StallInspector):
         if self.diagnosis is not None:
             waits.append(max(0.0, self.diagnosis.deadline - now))
         return min(waits) if waits else None
+
+    def _round_may_finish(self, now: float) -> bool:
+        """Does a shutdown list wait, for now, for this rank's open peer round? It does while
+        every rank the round waits for is still running: their posts are on their way (over
+        TCP a post and a peer's later shutdown message travel on different connections, so
+        the shutdown can arrive first; ranks that finished the round and left must not fail
+        it here). A rank that said it is shutting down posts nothing more, so a round waiting
+        for one cannot finish. At most ``SHUTDOWN_HOLD_S``."""
+        e = self.e
+        board = e.board
+        if board is None or not e.round_items or not board.open:
+            self.holding_since = None
+            return False
+        if board.due():  # (reads what arrived) every post is there: the round runs first
+            if self.holding_since is None:
+                self.holding_since = now
+            return True
+        if set(board.waiting()) & self.shut_ranks:
+            self.holding_since = None
+            return False
+        if self.holding_since is None:
+            self.holding_since = now
+        if now - self.holding_since >= SHUTDOWN_HOLD_S:
+            self.holding_since = None
+            return False
+        return True
 
     def maybe_emit(self) -> tuple | None:
         e = self.e
@@ -255,6 +291,8 @@ class Coordinator(StallInspector):
             if not self.paused:
                 crossed = self._crossed(now)
         if self.paused or (not self.ready and not crossed and self.shutdown_why is None):
+            return None
+        if self.shutdown_why is not None and self._round_may_finish(now):
             return None
         if now < self._hold_until() and not crossed:
             return None
