@@ -355,7 +355,12 @@ def test_digits_example_trains_on_the_device_plane(tmp_path, monkeypatch):
 
 
 @pytest.mark.e2e
-def test_a_rank_lost_during_device_collectives_ends_the_job_with_a_report(tmp_path, monkeypatch):
+@pytest.mark.parametrize("standin", ["gloo", "shared"])
+def test_a_rank_lost_during_device_collectives_ends_the_job_with_a_report(
+    tmp_path, monkeypatch, standin
+):
+    """A rank killed in the middle of device collectives, on the device path (Gloo for NCCL)
+    and on the shared-GPU path (its barriers): the job ends with a report naming it."""
     import subprocess
     import sys
     import time
@@ -373,12 +378,13 @@ def test_a_rank_lost_during_device_collectives_ends_the_job_with_a_report(tmp_pa
         "    threading.Timer(0.05, lambda: os._exit(7)).start()\n"
         "for i in range(1000):\n"
         "    hvd.allreduce(x, name=f'w{i}')\n"
+        "    hvd.broadcast(x[:9], 0, name=f'b{i}')\n"
         "print('finished all steps', flush=True)\n"
     )
     env = dict(
         __import__("os").environ,
         PYTHONPATH=str(REPO),
-        HOROVOD_DEVICE_PLANE_TEST="gloo",
+        HOROVOD_DEVICE_PLANE_TEST=standin,
     )
     start = time.monotonic()
     r = subprocess.run(
