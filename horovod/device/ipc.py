@@ -162,7 +162,8 @@ class HostWindow:
 
 class SharedGpu:
     """The windows of one process set's ranks and the collectives over them (see the module
-    docstring). Made collectively: every rank of ``view`` at once."""
+    docstring). Made collectively: every rank of ``view`` at once. (The handles are pickled:
+    they come from the job's own ranks, over its authenticated connections.)"""
 
     def __init__(self, view: Any, window: Any) -> None:
         self.view = view
