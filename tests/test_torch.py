@@ -1,6 +1,7 @@
 """horovod.torch: collectives, autograd, broadcast of state, DistributedOptimizer."""
 
 import copy
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -24,6 +25,17 @@ DTYPES = [
     torch.float32,
     torch.float64,
 ]
+
+
+# Rank threads share torch's global generator: a thread that seeds it between another's
+# seeding and drawing changes that one's draw. Seed and build under this lock.
+_GLOBAL_RNG = threading.Lock()
+
+
+def _seeded(seed, build):
+    with _GLOBAL_RNG:
+        torch.manual_seed(seed)
+        return build()
 
 
 @pytest.fixture(params=SIZES, ids=lambda n: f"np{n}")
@@ -526,8 +538,7 @@ def _bucket_run(rank, steps):
     gradients, the ones this rank computed itself (twins without hooks), whether every
     gradient is a view of the bucket's flat tensor, the flat tensor's id, and whether the
     gradients are part of a graph."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model = _seeded(0, lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)))
     twin = copy.deepcopy(model)
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.0),  # lr 0: every step sees the same weights
@@ -599,8 +610,9 @@ def test_bucket_never_changes_a_gradient_the_caller_kept():
     tensor instead of the one those share memory with."""
 
     def held(rank):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        model = _seeded(
+            0, lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        )
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.0),
             named_parameters=model.named_parameters(),
@@ -700,8 +712,7 @@ def test_the_tail_bucket_is_reduced_by_step_without_hooks_on_its_parameters():
             return self.head(h) + (self.extra(h) if rank == 1 else 0)
 
     def body(rank, passes):
-        torch.manual_seed(0)
-        model, twin = Odd(), Odd()
+        model, twin = _seeded(0, lambda: (Odd(), Odd()))
         twin.load_state_dict(model.state_dict())
         opt = hvd.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.0),
@@ -873,9 +884,11 @@ def test_broadcast_optimizer_state_with_parameters_whose_grad_is_none(n, opt_nam
     }
 
     def body(rank):
-        torch.manual_seed(rank)
-        model = torch.nn.ModuleDict(
-            {"used": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(4, 3)}
+        model = _seeded(
+            rank,
+            lambda: torch.nn.ModuleDict(
+                {"used": torch.nn.Linear(4, 3), "unused": torch.nn.Linear(4, 3)}
+            ),
         )
         opt = factories[opt_name](model.parameters())
         if rank == 0:
@@ -1333,8 +1346,7 @@ def test_sparse_adam_with_sparse_embeddings(n, sparse_as_dense):
     SparseAdam on the ranks' averaged gradient."""
 
     def make():
-        torch.manual_seed(0)
-        return torch.nn.Embedding(12, 4, sparse=True)
+        return _seeded(0, lambda: torch.nn.Embedding(12, 4, sparse=True))
 
     def indices(rank, step):
         return torch.tensor([rank, rank + 3, (rank * 5 + step) % 12, 11])
