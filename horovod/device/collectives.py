@@ -15,7 +15,7 @@ counts exchange of an alltoall.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -141,11 +141,22 @@ def reduce_in_place(buf: torch.Tensor, reduce_op: int, pg: Any) -> None:
 def allreduce(resp: Response, entries: Sequence[Any], pg: Any, fusion: Fusion) -> list:
     """Fused (or single, in place) allreduce; a joined rank's entry (None) contributes
     zeros."""
-    n = pg.size()
+    return allreduce_by(resp, entries, pg.size(), fusion, lambda b, op: reduce_in_place(b, op, pg))
+
+
+def allreduce_by(
+    resp: Response,
+    entries: Sequence[Any],
+    n: int,
+    fusion: Fusion,
+    reduce: Callable[[torch.Tensor, int], None],
+) -> list:
+    """``allreduce`` with ``reduce(flat, reduce_op)`` (in place, over ``n`` ranks) doing the
+    reduction itself: the fusion and upstream's scaling are the same on every path."""
     post = alg.average_post(resp.postscale, n) if resp.reduce_op == AVERAGE else resp.postscale
     buf = fuse_in(resp, entries, fusion)
     scale(buf, resp.prescale)
-    reduce_in_place(buf, resp.reduce_op, pg)
+    reduce(buf, resp.reduce_op)
     scale(buf, post)
     return fuse_out(resp, entries, buf)
 
@@ -200,9 +211,14 @@ def allgather(
 
 
 def broadcast(resp: Response, e: Any, pg: Any) -> list:
+    return broadcast_by(resp, e, lambda t, root: broadcast_flat(t, root, pg))
+
+
+def broadcast_by(resp: Response, e: Any, bcast: Callable[[torch.Tensor, int], None]) -> list:
+    """The root's tensor into every rank's output, ``bcast(tensor, root)`` moving it."""
     if e.output is not e.array:
         e.output.tensor.copy_(e.array.tensor)
-    broadcast_flat(e.output.tensor, resp.root, pg)
+    bcast(e.output.tensor, resp.root)
     return [e.output]
 
 

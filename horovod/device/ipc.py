@@ -42,9 +42,10 @@ import numpy as np
 import torch
 
 from horovod.collectives import algorithms as alg
+from horovod.common.dtypes import DTYPE_OF_CODE
 from horovod.core.messages import AVERAGE, MAX, MIN, PRODUCT, SUM, Response
 from horovod.device.arrays import TORCH_OF, DeviceArray, byte_view
-from horovod.device.collectives import fuse_in, fuse_out, scale
+from horovod.device.collectives import allreduce_by, broadcast_by
 
 WINDOW_BYTES = 64 * 1024 * 1024
 CLOSE_WAIT_S = 5.0  # at shutdown, the longest a rank waits for its peers to let go
@@ -310,29 +311,17 @@ def _allgather_bytes_per_rank(resp: Response, itemsize: int) -> list[int]:
 
 
 def allreduce(resp: Response, entries: Sequence[Any], shared: SharedGpu, fusion: Any) -> list:
-    """As ``collectives.allreduce``, through the windows: fused (or single, in place), a
-    joined rank's entry (None) contributing zeros, upstream's scaling."""
-    n = shared.view.size
-    post = alg.average_post(resp.postscale, n) if resp.reduce_op == AVERAGE else resp.postscale
-    buf = fuse_in(resp, entries, fusion)
-    scale(buf, resp.prescale)
-    shared.allreduce(buf, resp.reduce_op)
-    scale(buf, post)
-    return fuse_out(resp, entries, buf)
+    """As ``collectives.allreduce``, through the windows (the same fusion and scaling)."""
+    return allreduce_by(resp, entries, shared.view.size, fusion, shared.allreduce)
 
 
 def broadcast(resp: Response, e: Any, shared: SharedGpu) -> list:
-    if e.output is not e.array:
-        e.output.tensor.copy_(e.array.tensor)
-    shared.broadcast(e.output.tensor.reshape(-1), resp.root)
-    return [e.output]
+    return broadcast_by(resp, e, lambda t, root: shared.broadcast(t.reshape(-1), root))
 
 
 def allgather(
     resp: Response, entries: Sequence[Any], shared: SharedGpu, device: torch.device
 ) -> list:
-    from horovod.common.dtypes import DTYPE_OF_CODE
-
     np_dtype = DTYPE_OF_CODE[resp.dtype]
     dtype = TORCH_OF[np_dtype]
     assert resp.dim0s is not None

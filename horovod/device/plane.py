@@ -30,6 +30,7 @@ import torch
 
 from horovod.collectives import algorithms as alg
 from horovod.common.config import Config
+from horovod.common.dtypes import DTYPE_OF_CODE
 from horovod.core import ops as cpu_ops
 from horovod.core.messages import (
     ADASUM_OP,
@@ -227,8 +228,6 @@ class DevicePlane:
 
     @staticmethod
     def _itemsize(resp: Response) -> int:
-        from horovod.common.dtypes import DTYPE_OF_CODE
-
         return int(DTYPE_OF_CODE[resp.dtype].itemsize)
 
     def _on_shared_gpu(
