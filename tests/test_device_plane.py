@@ -200,7 +200,10 @@ def test_joined_rank_contributes_zeros_to_device_allreduces():
     assert last in (0, 1)
 
 
-def test_process_sets_get_their_own_groups():
+@pytest.mark.parametrize("standin", [STANDIN, SHARED], ids=["device", "shared"])
+def test_process_sets_get_their_own_groups(standin):
+    """Each set gets its own group (and, on the shared-GPU path, its own windows), made on
+    first use and released when the set is removed."""
     def body(rank):
         ps = hvd.add_process_set([0, 2])
         try:
@@ -212,7 +215,7 @@ def test_process_sets_get_their_own_groups():
         finally:
             hvd.remove_process_set(ps)
 
-    res = run_ranks(body, 3, env={**STANDIN, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
+    res = run_ranks(body, 3, env={**standin, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"})
     assert res[0][0] == res[2][0] == [2.0, 2.0] and res[1][0] is None
     assert all(r[1] == [3.0, 3.0] for r in res)
     assert res[0][2] == res[2][2] == [0, 1] and res[1][2] == [0]
@@ -225,7 +228,7 @@ def test_process_sets_get_their_own_groups():
         hvd.remove_process_set(ps)
         return before, sorted(device_plane().groups) if rank < 2 else []
 
-    env = {**STANDIN, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
+    env = {**standin, "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}
     res = run_ranks(removed, 3, env=env)
     assert res[0][1] == res[1][1] == [] and len(res[0][0]) == 1
 
