@@ -122,7 +122,13 @@ class DevicePlane:
             paths, why = choose_path(records, view.hosts, settings)
             g = SetGroup(paths, why, self.backend)
             if why and any(s == "nccl" for s in settings.values()):
-                log.warning("device plane: staged path for process set %d: %s", ps_id, why)
+                taken = sorted({p for p in paths.values() if p != "device"})
+                log.warning(
+                    "device plane: no NCCL for process set %d (%s): the %s path",
+                    ps_id,
+                    why,
+                    " and ".join(taken),
+                )
             self.groups[ps_id] = g
         return g
 
