@@ -292,3 +292,47 @@ def test_adasum_on_the_process_planes_at_3_processes(plane):
     r = run_script(PLANES, np_=3, env=env, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("plane ok") == 3
+
+
+def test_one_blas_thread_holds_while_any_thread_is_inside():
+    """Rank threads of one process overlap their blocks: a thread leaving its block must not
+    give BLAS its cores back while another is still computing inside its own (the other's
+    products would sum in another order, and Adasum's bits would differ between ranks)."""
+    import threading
+
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from horovod.common.blas import one_blas_thread
+
+    def blas_threads() -> set[int]:
+        return {
+            info["num_threads"]
+            for info in threadpoolctl.threadpool_info()
+            if info["user_api"] == "blas"
+        }
+
+    before = blas_threads()
+    if not before or before == {1}:
+        pytest.skip("BLAS runs one thread here anyway")
+    a_inside, b_inside, a_left = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def a():
+        with one_blas_thread():
+            a_inside.set()
+            b_inside.wait(10)
+        a_left.set()
+
+    def b():
+        a_inside.wait(10)
+        with one_blas_thread():
+            b_inside.set()
+            a_left.wait(10)
+            seen.append(blas_threads())
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [{1}]
+    assert blas_threads() == before  # the user's setting is back once both have left
