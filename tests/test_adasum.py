@@ -43,6 +43,27 @@ def test_the_pairwise_rule():
     np.testing.assert_allclose(out2[50:], a, rtol=1e-12)
 
 
+@pytest.mark.parametrize("n", [0, 5, 8192, 70_001, 1 << 20])
+def test_the_dot_products_do_not_depend_on_blas_threads(n, monkeypatch):
+    # BLAS splits a long dot product across its threads: np.dot gives other bits at another
+    # thread count (a rank thread could lift another's limit midway: a flaky bitwise test)
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from horovod.common import blas
+
+    rng = np.random.default_rng(n)
+    a, b = rng.standard_normal(n), rng.standard_normal(n)
+    most = max([1] + [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
+    got = set()
+    for threads in {1, most, 2 * most}:
+        with threadpool_limits(threads, user_api="blas"):
+            got.add(blas.ordered_dot(a, b))
+    assert len(got) == 1
+    np.testing.assert_allclose(got.pop(), float(np.sum(a * b)), rtol=1e-9, atol=1e-9)
+    monkeypatch.setattr(blas, "_vecdot", None)  # NumPy 1 (MXNet's venv): einsum's rows
+    np.testing.assert_allclose(blas.ordered_dot(a, b), float(np.sum(a * b)), rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("n", range(1, 10))
 def test_every_send_has_its_receive_and_the_tree_is_the_pairwise_one(n):
     """Simulate the levels of all ranks in one process: the messages match up and every rank

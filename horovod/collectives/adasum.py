@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from horovod.common.blas import one_blas_thread
+from horovod.common.blas import ordered_dot
 from horovod.transport.base import Scratch, as_bytes
 
 TINY = math.sqrt(sys.float_info.min)  # upstream's threshold on a squared norm
@@ -73,10 +73,10 @@ def combine(a: np.ndarray, b: np.ndarray, counts: Sequence[int], out: np.ndarray
             continue
         a64 = sa.astype(np.float64, copy=False)
         b64 = sb.astype(np.float64, copy=False)
-        with one_blas_thread():
-            dot = float(np.dot(a64, b64))
-            anormsq = float(np.dot(a64, a64))
-            bnormsq = float(np.dot(b64, b64))
+        # (summed in a fixed order: the bits must not depend on BLAS's threads)
+        dot = ordered_dot(a64, b64)
+        anormsq = ordered_dot(a64, a64)
+        bnormsq = ordered_dot(b64, b64)
         acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= TINY else 1.0
         bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= TINY else 1.0
         # upstream's scaled add: double coefficients times the elements, rounded to the type
