@@ -204,6 +204,7 @@ def test_joined_rank_contributes_zeros_to_device_allreduces():
 def test_process_sets_get_their_own_groups(standin):
     """Each set gets its own group (and, on the shared-GPU path, its own windows), made on
     first use and released when the set is removed."""
+
     def body(rank):
         ps = hvd.add_process_set([0, 2])
         try:

@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from horovod.benchmarks import launch
-from horovod.benchmarks.collectives import parse_size
+from horovod.benchmarks.collectives import human, parse_size
 
 OPS = ("allreduce", "allgather", "broadcast")
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         for nbytes in sizes:
             ours, direct, inside = data[f"{op}:{nbytes}"]
             print(
-                f"| {op} | {nbytes >> 20} MiB | {ours * 1e6:.0f} us | {inside * 1e6:.0f} us "
+                f"| {op} | {human(nbytes)} | {ours * 1e6:.0f} us | {inside * 1e6:.0f} us "
                 f"| {direct * 1e6:.0f} us | {direct / ours:.2f} |"
             )
     return 0
