@@ -314,7 +314,8 @@ class Config:
         100.0,
         "Shared-memory jobs: how long a waiting rank polls (for a peer's data, or for the "
         "result a thread waits for while it runs the engine) before it sleeps until woken "
-        "(0: sleep at once). Polls yield the CPU when ranks outnumber cores.",
+        "(0: sleep at once). Polls yield the CPU when ranks outnumber the machine's cores "
+        "(every rank on the machine counts, whatever host name it has).",
         minimum=0,
     )
     output_pool_bytes: int = _knob(

@@ -30,6 +30,7 @@ from horovod.common import log, scheduler
 from horovod.common import process_sets as process_sets_module
 from horovod.common.config import Config
 from horovod.common.exceptions import ConfigError, HorovodInternalError
+from horovod.common.net import crowded, machine_id
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.core import membership, mpi_world, pool
 from horovod.core.autotune import Autotuner, Params
@@ -383,6 +384,8 @@ class Context:
             hosts = Counter(info[0] for info in infos)
             self.is_homogeneous = len(set(hosts.values())) == 1
             self.hostnames = [info[0] for info in infos]
+            # (ranks of several host names may share one machine's cores: test hosts)
+            self.crowded = crowded([info[9] for info in infos], cfg.rank)
             if launch is not None or mpi is not None:  # the launcher's local ranks are a
                 # guess; hosts are facts
                 layout = _local_layout(self.hostnames)[cfg.rank]
@@ -575,6 +578,7 @@ class Context:
             timeout=cfg.timeout_seconds,
             single_copy=cfg.shm_single_copy_bytes,
             outputs=cfg.output_pool_bytes > 0 and pool._refcounts_are_exact(),
+            crowded=self.crowded,
         )
 
     def _with_polled_tcp(self, cfg: Config, transport: Transport) -> Transport:
@@ -598,7 +602,7 @@ class Context:
         return PolledTcpTransport(
             transport,
             cfg.spin_microseconds,
-            oversubscribed=here > (os.cpu_count() or 1),
+            oversubscribed=here > (os.cpu_count() or 1) or self.crowded,
             board_timeout=cfg.timeout_seconds if board else None,
         )
 
@@ -616,6 +620,7 @@ class Context:
             os.getpid(),
             dumps,
             _data_plane_settings(cfg),
+            machine_id(),
         )
         if cfg.size == 1:
             return [mine]

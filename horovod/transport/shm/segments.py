@@ -57,6 +57,7 @@ class ShmSegments(PolledTransport):
         timeout: float,
         single_copy: int = 0,
         outputs: bool = True,
+        crowded: bool = False,
     ) -> None:
         """``local``: the global ranks on this host (this one included). Raises
         ``TransportError`` if this host's ranks cannot all use shared memory (every one of
@@ -65,7 +66,8 @@ class ShmSegments(PolledTransport):
         straight from the sender's memory where every local rank can (0: never).
         ``outputs``: results of allgather peer rounds may live in this rank's output slots
         (every rank reads the others' either way); only where reference counts tell that no
-        view of a result is alive any more (``horovod.core.pool``)."""
+        view of a result is alive any more (``horovod.core.pool``). ``crowded``: more ranks
+        share this machine's cores than this host name has (``horovod.common.net.crowded``)."""
         self.inner = inner
         # The TCP plane to the other hosts, where the thread running the engine reads its
         # control connections (``PolledTcpTransport``) instead of reader threads.
@@ -77,7 +79,7 @@ class ShmSegments(PolledTransport):
         self.nslots = slots
         self.layout = Layout(len(self.local), slots, self.chunk)
         self.spin_s = spin_us / 1e6
-        self._yield = len(self.local) > (os.cpu_count() or 1)
+        self._yield = crowded or len(self.local) > (os.cpu_count() or 1)
         self.oversubscribed = self._yield  # waiting loops yield the CPU between polls
         self._aborted: str | None = None
         self._closed = False
