@@ -518,12 +518,22 @@ def test_the_optimizers_last_bucket_is_reduced_the_express_way_with_exact_averag
             assert sum(counts) >= 4, (env, counts)  # the general way)
 
 
-# Peer rounds on shared memory, and over TCP alone (board connections: ``tcp_board``).
-PLANES = {"shm": {}, "tcp": {"HOROVOD_SHARED_MEMORY": "0"}}
+# Peer rounds on shared memory, over TCP alone (board connections: ``tcp_board``), and both
+# in a job on two host names (``mixed_board``: 3 ranks, rank 0's host with 2 of them; 4, two
+# hosts of 2).
+PLANES = {"shm": {}, "tcp": {"HOROVOD_SHARED_MEMORY": "0"}, "mixed": {}}
+PLANE_CASES = [(n, p) for p in ("shm", "tcp") for n in (2, 3)] + [(3, "mixed"), (4, "mixed")]
 
 
-@pytest.mark.parametrize("plane", sorted(PLANES))
-@pytest.mark.parametrize("np_", [2, 3])
+def _hosts(np_: int, plane: str) -> list[str]:
+    """horovodrun's arguments for ``plane``: two host names for a mixed job (one machine)."""
+    if plane != "mixed":
+        return []
+    return ["-H", f"localhost:2,127.0.0.1:{np_ - 2}"]
+
+
+# (not 4 ranks: the data plane's small allreduce is recursive doubling there, another order)
+@pytest.mark.parametrize(("np_", "plane"), [c for c in PLANE_CASES if c[0] < 4])
 def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane):
     """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer
     truncation, a grouped op) run as peer rounds by default (the synchronous ones without
@@ -573,7 +583,13 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
             False,
         ),
     ]:
-        out = run_script(script, np_=np_, env={**env, **PLANES[plane]}, timeout=120)
+        out = run_script(
+            script,
+            np_=np_,
+            env={**env, **PLANES[plane]},
+            timeout=120,
+            launcher_args=_hosts(np_, plane),
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         found = re.findall(r"digest (\d) (\w+) rounds (\d+) express (\d+)", out.stdout)
         assert len(found) == np_, out.stdout
@@ -590,8 +606,7 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
     assert len(set(digests.values())) == 1, digests
 
 
-@pytest.mark.parametrize("plane", sorted(PLANES))
-@pytest.mark.parametrize("np_", [2, 3])
+@pytest.mark.parametrize(("np_", "plane"), PLANE_CASES)
 def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
     """With peer rounds every cached op of the global set skips rank 0: small allgathers and
     broadcasts carry their data in the round (each rank builds the result from the posts),
@@ -630,7 +645,13 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
     """
     digests = {}
     for mode, env in [("rounds", {}), ("rank 0", {"HOROVOD_PEER_ROUNDS": "0"})]:
-        out = run_script(script, np_=np_, env={**env, **PLANES[plane]}, timeout=120)
+        out = run_script(
+            script,
+            np_=np_,
+            env={**env, **PLANES[plane]},
+            timeout=120,
+            launcher_args=_hosts(np_, plane),
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         found = re.findall(r"digest (\d) (\w+) rounds (\d+)", out.stdout)
         assert len(found) == np_, out.stdout

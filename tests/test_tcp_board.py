@@ -32,9 +32,18 @@ def _round(t, r, cids, data, tag, timeout=10.0):
     return [(q, tg, ids, bytes(d)) for q, tg, ids, d, _ in posts]
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_many_rounds_of_every_size_arrive_whole_and_in_order(n):
-    ts = _make("tcp-polled", n)
+# Two hosts: rank 0's with a peer (3 ranks: the third alone on its host), two of each (4).
+MIXED = {3: ["a", "a", "b"], 4: ["a", "b", "a", "b"]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "n"), [("tcp-polled", 2), ("tcp-polled", 3), ("mixed", 3), ("mixed", 4)]
+)
+def test_many_rounds_of_every_size_arrive_whole_and_in_order(kind, n):
+    ts = _make(kind, n, hosts=MIXED.get(n))
+    if kind == "mixed":  # shared memory's board with TCP's where a host has two ranks
+        boards = [type(t.board).__name__ for t in ts]
+        assert boards == (["MixedBoard"] * 2 + ["TcpBoard"] if n == 3 else ["MixedBoard"] * 4)
     rng = np.random.default_rng(7)
     sizes = [0, 1, 7, 4096, 65536, DATA_BYTES - 1, DATA_BYTES, 3, 100_000] * 3
     payloads = [[rng.integers(0, 256, s, np.uint8) for _ in range(n)] for s in sizes]
@@ -212,7 +221,11 @@ def test_a_rank_that_opens_no_board_connection_fails_the_others_clearly():
 
 
 def _peer(t, rank):
-    return next(p for p in t.board.peers if p.rank == rank)
+    return _peer_of(t.board, rank)
+
+
+def _peer_of(board, rank):
+    return next(p for p in board.peers if p.rank == rank)
 
 
 def test_a_post_reaches_rank_0_only_after_every_other_peer_took_it_whole():
@@ -237,6 +250,34 @@ def test_a_post_reaches_rank_0_only_after_every_other_peer_took_it_whole():
             ts[1].board.flush()
         else:
             raise AssertionError("the post never arrived")
+    finally:
+        _close(ts)
+
+
+def test_a_post_reaches_rank_0_on_its_host_only_after_the_other_hosts_took_it_whole():
+    """As over TCP alone, in a job on several hosts: rank 1 shares rank 0's host (shared
+    memory), rank 2 is on another; rank 1's post is published on its host only once rank 2's
+    copy has left the backlog."""
+    ts = _make("mixed", 3, hosts=MIXED[3])
+    try:
+        mixed = ts[1].board
+        _peer_of(mixed.remote, 2).sock = _Stingy(_peer_of(mixed.remote, 2).sock)
+        data = np.arange(DATA_BYTES, dtype=np.uint8)
+        ts[1].board_post([4], [memoryview(data)], tag=0)
+        assert mixed.unpublished and mixed.remote.holds(2)
+        reached_2 = False
+        for _ in range(10_000):
+            ts[2].board.pump()
+            got_2 = _peer(ts[2], 1).latest == 1
+            got_0 = ts[0].board.local.opened()  # (rank 0 reads rank 1 in shared memory)
+            reached_2 = reached_2 or got_2
+            assert not got_0 or reached_2, "rank 0 got the post before rank 2 had all of it"
+            if got_0 and got_2:
+                break
+            mixed.due()  # (flushes the backlog, then publishes)
+        else:
+            raise AssertionError("the post never arrived")
+        assert not mixed.unpublished
     finally:
         _close(ts)
 

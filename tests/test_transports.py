@@ -37,10 +37,12 @@ def _make(
     slots=2,
     spin_us=20.0,
     probe_must_pass=True,
+    hosts=None,
 ):
     """n connected transports of ``kind`` (built concurrently, as ranks would). "shm-direct":
     shared memory with single-copy reads for every message of more than one chunk (checked to
-    be on unless ``probe_must_pass`` is false)."""
+    be on unless ``probe_must_pass`` is false). "mixed": a job on ``hosts`` (a host name per
+    rank): shared memory within each, polled TCP with board connections between them."""
     store = store or MemoryStore()
     world = LoopbackWorld(n) if kind == "loopback" else None
     out: list = [None] * n
@@ -54,8 +56,20 @@ def _make(
             t = TcpTransport(
                 r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
             )
-            if kind == "tcp-polled":
+            if kind in ("tcp-polled", "mixed"):
                 t = PolledTcpTransport(t, spin_us, oversubscribed=False, board_timeout=10)
+            if kind == "mixed":
+                t = ShmTransport.create(
+                    t,
+                    hosts,
+                    store=store,
+                    scope="s",
+                    secret=secret,
+                    chunk=chunk,
+                    slots=slots,
+                    spin_us=spin_us,
+                    timeout=10,
+                )
             if kind.startswith("shm"):
                 t = ShmTransport(
                     t,

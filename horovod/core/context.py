@@ -592,13 +592,11 @@ class Context:
             return transport
         per_host = Counter(self.hostnames)
         here = per_host[self.hostnames[cfg.rank]]
-        # Peer rounds over TCP where every rank of the job talks over TCP alone (no shared
-        # memory on any host: a decision every rank makes the same) and the job is small
-        # enough for each rank to post to all the others.
+        # Peer rounds over TCP where the job is small enough for each rank to post to all
+        # the others (a decision every rank makes the same: connecting is collective): over
+        # TCP alone, or to the other hosts' ranks beside shared memory (``MixedBoard``).
         # (Whatever HOROVOD_PEER_ROUNDS says: a rank that posts none still answers.)
-        board = cfg.size <= TCP_BOARD_MAX_RANKS and (
-            not cfg.shared_memory or max(per_host.values()) == 1
-        )
+        board = cfg.size <= TCP_BOARD_MAX_RANKS
         return PolledTcpTransport(
             transport,
             cfg.spin_microseconds,

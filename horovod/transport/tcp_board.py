@@ -208,6 +208,10 @@ class TcpBoard(PeerBoard):
         n = self.n
         return any(p.latest > n for p in self.peers)
 
+    def opened_now(self) -> bool:
+        """``opened`` without reading the sockets first (the caller just did: ``pump``)."""
+        return self._opened()
+
     def tags(self) -> list[int]:
         n = self.n + 1
         return [p.posts[n & 1][1] for p in self.peers if p.latest >= n]  # type: ignore[index]

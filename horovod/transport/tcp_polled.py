@@ -237,6 +237,23 @@ class PolledTcpTransport(PolledTransport):
             pass
 
     # ---------------------------------------------------------------- peer rounds
+    def narrow_board(self, same_host: Sequence[int]) -> TcpBoard:
+        """The board over the other hosts' ranks only: the ranks of ``same_host`` post to
+        this one on a shared-memory board (``MixedBoard``), so their board connections are
+        closed. Called at set-up, before any post."""
+        board = self.board
+        assert board is not None
+        keep = {}
+        for sock in board.live():
+            peer = next(p.rank for p in board.peers if p.sock is sock)
+            if peer in same_host:
+                self._stop_polling(sock)
+                sock.close()
+            else:
+                keep[peer] = sock
+        self.board = TcpBoard(keep, self.inner.lost, self._stop_polling)
+        return self.board
+
     def board_post(
         self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0, out: int = -1
     ) -> None:

@@ -40,7 +40,7 @@ class ShmTransport(ShmControl, ShmExchange):
         if len(local) < 2:
             return inner
         try:
-            return cls(inner, local, **kw)
+            t = cls(inner, local, **kw)
         except Unusable as e:
             log.logger.warning(
                 "rank %d: shared memory unavailable on host %s (%s); ranks there use TCP",
@@ -49,6 +49,8 @@ class ShmTransport(ShmControl, ShmExchange):
                 e,
             )
             return inner
+        t.mix_boards()
+        return t
 
     def abort(self, reason: str) -> None:
         if self._aborted is None:

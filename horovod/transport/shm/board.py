@@ -97,11 +97,18 @@ class Board(PeerBoard):
         return [r for r, latest, _ in self.peers if latest[0] < self.n]
 
     def post(
-        self, cids: Sequence[int], parts: Sequence[memoryview], tag: int = 0, out: int = -1
+        self,
+        cids: Sequence[int],
+        parts: Sequence[memoryview],
+        tag: int = 0,
+        out: int = -1,
+        publish: bool = True,
     ) -> None:
         """Post round ``n + 1``: ``cids`` (empty: nothing to run), their data in order, and a
         ``tag`` the engine compares (what kind of round, and where in its list sequence).
-        ``out``: this rank's data is in its output slot ``out`` instead (``parts`` empty)."""
+        ``out``: this rank's data is in its output slot ``out`` instead (``parts`` empty).
+        Without ``publish`` the post is written but the peers see it only at ``publish()``
+        (a job on several hosts: ``MixedBoard``)."""
         n = self.n + 1
         head, data = self._mine[n % 2]
         off = 0
@@ -116,11 +123,17 @@ class Board(PeerBoard):
         head[4] = out + 1
         head[8 : 8 + k] = memoryview(array("q", cids))
         head[0] = n
-        order()
-        self.latest[0] = n
         self.n = n
         self.open = True
         self.deferred = False
+        if publish:  # (``publish`` inline: every small op posts)
+            order()
+            self.latest[0] = n
+
+    def publish(self) -> None:
+        """Let the peers see this rank's post of round ``n`` (``post`` wrote it)."""
+        order()
+        self.latest[0] = self.n
 
     def read(self) -> list[tuple[int, int, list[int], memoryview, int]]:
         """Every peer's post of round ``n`` (rank, tag, cache ids, data, output slot or -1);

@@ -1,5 +1,6 @@
 """The engine's side of shared memory: control messages through the rings, peer rounds on the
-board, and the output slots where an allgather's result may live (``PolledTransport``).
+board (with the TCP board's posts to the other hosts in a job on several: ``MixedBoard``), and
+the output slots where an allgather's result may live (``PolledTransport``).
 
 Only the thread running the engine calls these (``kick`` aside, in ``waiting``).
 
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler
+from horovod.transport.mixed_board import MixedBoard
+from horovod.transport.shm.board import Board
 from horovod.transport.shm.layout import FRAME, OUT_BYTES, RING
 from horovod.transport.shm.waiting import ShmWaiting
 
@@ -71,6 +74,24 @@ class ShmControl(ShmWaiting):
         for peer in self.peers:
             self._wake(peer, ctrl=True)
 
+    def mix_boards(self) -> None:
+        """In a job on several hosts whose TCP plane has board connections (``remote.board``):
+        peer rounds on this host's board and on the TCP board to the other hosts' ranks
+        (``MixedBoard``), output slots off (the other hosts cannot read them). Set-up only."""
+        remote = self._remote
+        if self.board is not None or remote is None or remote.board is None:
+            return
+        mine = self._maps[self.rank]
+        local = Board(mine, {r: self._maps[r] for r in self.peers}, self.layout.board)
+        self.board = MixedBoard(
+            local, remote.narrow_board(self.local), 0 in self.peers, self._wake_board_peers
+        )
+        self.outputs = False
+
+    def _wake_board_peers(self) -> None:
+        for peer in self.peers:
+            self._wake(peer, ctrl=True)
+
     def out_slot(self, nbytes: int) -> int:
         """A free output slot of this rank for a result of ``nbytes`` (``out_owners[k]`` is
         a uint8 array over all of it), or -1: outputs off, too large, or every slot still
@@ -92,7 +113,7 @@ class ShmControl(ShmWaiting):
         """This rank has read the output slots of ``readers_of`` for its round: tell them (a
         datagram to any of them that sleeps waiting for it)."""
         board = self.board
-        assert board is not None
+        assert isinstance(board, Board)  # (output slots: one host's board only)
         board.ack()
         for peer in readers_of:
             self._wake(peer)
@@ -101,7 +122,7 @@ class ShmControl(ShmWaiting):
         """Wait until every peer has read this rank's output slot for its round (they have
         all posted it, so they only have their reads left)."""
         board = self.board
-        assert board is not None
+        assert isinstance(board, Board)
         while True:
             waiting = board.unacked()
             if not waiting:

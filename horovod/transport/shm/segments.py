@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,9 @@ from horovod.transport.shm.channels import Channel
 from horovod.transport.shm.layout import OUT_BYTES, OUT_MIN, OUT_SLOTS, Layout
 from horovod.transport.shm.rings import Ring
 from horovod.transport.tcp_polled import PolledTcpTransport
+
+if TYPE_CHECKING:
+    from horovod.transport.mixed_board import MixedBoard
 
 
 class ShmSegments(PolledTransport):
@@ -101,7 +105,8 @@ class ShmSegments(PolledTransport):
         self._esock: socket.socket | None = None  # wakes its engine thread
         self._path: str | None = None
         self._sock_paths: list[str] = []
-        self.board: Board | None = None  # the engine's peer rounds (all ranks on this host)
+        # The engine's peer rounds: all ranks on this host, or ``mix_boards`` (several hosts).
+        self.board: Board | MixedBoard | None = None
         # Output slots (``out_slot``): every local rank's, and the arrays that hand out this
         # rank's (when ``outputs``: a result may then live in shared memory).
         self.outputs = outputs
