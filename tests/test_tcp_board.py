@@ -282,6 +282,28 @@ def test_a_post_reaches_rank_0_on_its_host_only_after_the_other_hosts_took_it_wh
         _close(ts)
 
 
+def test_a_mixed_board_is_read_only_by_its_drive_holder_not_by_fast_pending():
+    """``fast_pending`` runs on threads that do not hold ``drive``: reading the TCP board
+    there raced with the drive holder's reads, and a half-read post then made the next read
+    look like a closed connection (a 4-rank job on two host names failed 1 run in 3)."""
+    ts = _make("mixed", 3, hosts=MIXED[3])
+    try:
+        mixed = ts[1].board
+        reads = []
+        real_read = mixed.remote._read
+        mixed.remote._read = lambda p: reads.append(p.rank) or real_read(p)
+        ts[2].board_post([1], [memoryview(np.ones(8, np.uint8))], tag=0)
+        deadline = time.monotonic() + 10
+        while not ts[1].fast_pending():  # (rank 2's post is readable on rank 1's socket)
+            assert time.monotonic() < deadline
+        assert reads == [] and not mixed.due_now()
+        while not mixed.opened():  # the drive holder's read
+            assert time.monotonic() < deadline
+        assert 2 in reads and mixed.due_now()
+    finally:
+        _close(ts)
+
+
 def test_a_control_message_waits_behind_a_post_to_the_same_peer():
     ts = _make("tcp-polled", 2)
     try:

@@ -15,7 +15,10 @@ board keeps the same rule among its peers). Where rank 0 shares this rank's host
 TCP copies have not all been taken by their sockets yet is written to shared memory but
 published (made visible to the host's peers) only once they have, which the next read checks.
 
-Only the thread holding the engine's ``drive`` lock calls these methods (as on either board).
+Only the thread holding the engine's ``drive`` lock calls these methods (as on either board),
+``due_now`` aside: it reads no socket, so any thread may ask (the TCP board's reads are not
+thread-safe: ``fast_pending`` once asked ``due`` from another thread, whose read of half a
+post made the next read look like a closed connection).
 Output slots (an allgather's result read from the poster's shared memory) are off in such a
 job: the other hosts cannot read them, so every post carries its data.
 
@@ -87,6 +90,15 @@ class MixedBoard(PeerBoard):
         remote.pump()
         self._publish_if_sent()
         return not self.local.deferred and (self.local.opened() or remote.opened_now())
+
+    def due_now(self) -> bool:
+        """``due`` from what was read so far, without socket I/O: a thread that does not hold
+        ``drive`` may ask (``fast_pending``; the TCP board's reads are the drive holder's)."""
+        if self.unpublished and not self.remote.backlogged():
+            return True  # (the drive holder publishes it)
+        if self.local.open:
+            return self.local.due() and self.remote.due_now()
+        return not self.local.deferred and (self.local.opened() or self.remote.opened_now())
 
     def opened(self) -> bool:
         self.remote.pump()

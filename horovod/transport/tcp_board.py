@@ -212,6 +212,15 @@ class TcpBoard(PeerBoard):
         """``opened`` without reading the sockets first (the caller just did: ``pump``)."""
         return self._opened()
 
+    def due_now(self) -> bool:
+        """``due`` from the posts read so far, without reading the sockets: a thread that
+        does not hold ``drive`` may ask (True where a lost peer's post is missing: the thread
+        that reads must raise it)."""
+        if self.open:
+            n = self.n
+            return all(p.latest >= n or p.lost is not None for p in self.peers)
+        return not self.deferred and self._opened()
+
     def tags(self) -> list[int]:
         n = self.n + 1
         return [p.posts[n & 1][1] for p in self.peers if p.latest >= n]  # type: ignore[index]

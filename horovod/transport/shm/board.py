@@ -74,6 +74,8 @@ class Board(PeerBoard):
             return True
         return not self.deferred and self.opened()
 
+    due_now = due  # (reads shared memory only: any thread may ask)
+
     def opened(self) -> bool:
         """Has a peer posted a round this rank has not?"""
         n = self.n

@@ -143,7 +143,7 @@ class ShmControl(ShmWaiting):
 
     def fast_pending(self) -> bool:
         """Is there anything for ``poll_fast`` to read or send, or a peer round to decide?"""
-        if self.board is not None and self.board.due():
+        if self.board is not None and self.board.due_now():  # (no socket I/O: any thread)
             return True
         if self._remote is not None and self._remote.fast_pending():
             return True
