@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 
 import pytest
 from conftest import run_script
@@ -323,6 +324,28 @@ def test_killed_rank_leaves_no_shared_memory_and_the_others_stop():
     out = run_script(script, timeout=60)
     assert out.returncode != 0
     assert "rank 1" in out.stderr
+    assert _ours() - before == set()
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_rank_killed_in_a_job_on_two_host_names_stops_the_others_naming_it(victim):
+    """Peer rounds across hosts (``MixedBoard``): a rank killed while the others wait for its
+    post (1: on rank 0's host, in shared memory; 2: on the other host, over TCP) ends the
+    job with a report that names it, without a hang."""
+    script = f"""
+        import os, signal, time, numpy as np, horovod.numpy as hvd
+        hvd.init()
+        for i in range(200):
+            if i == 100 and hvd.rank() == {victim}:
+                os.kill(os.getpid(), signal.SIGKILL)
+            hvd.allreduce(np.ones(4), name="small")
+    """
+    before = _ours()
+    t0 = time.monotonic()
+    out = run_script(script, 4, launcher_args=["-H", "localhost:2,127.0.0.1:2"], timeout=60)
+    assert out.returncode != 0
+    assert time.monotonic() - t0 < 30
+    assert f"Root cause: rank {victim}" in out.stderr, out.stderr
     assert _ours() - before == set()
 
 
