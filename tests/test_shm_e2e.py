@@ -575,11 +575,11 @@ PLANES = {"shm": {}, "tcp": {"HOROVOD_SHARED_MEMORY": "0"}, "mixed": {}}
 PLANE_CASES = [(n, p) for p in ("shm", "tcp") for n in (2, 3)] + [(3, "mixed"), (4, "mixed")]
 
 
-def _hosts(np_: int, plane: str) -> list[str]:
-    """horovodrun's arguments for ``plane``: two host names for a mixed job (one machine)."""
-    if plane != "mixed":
-        return []
-    return ["-H", f"localhost:2,127.0.0.1:{np_ - 2}"]
+def _run_on(plane: str, np_: int, script: str, env: dict):
+    """``script`` under horovodrun on ``plane`` (two host names for a mixed job)."""
+    hosts = ["-H", f"localhost:2,127.0.0.1:{np_ - 2}"] if plane == "mixed" else []
+    env = {**env, **PLANES[plane]}
+    return run_script(script, np_=np_, env=env, timeout=120, launcher_args=hosts)
 
 
 # (not 4 ranks: the data plane's small allreduce is recursive doubling there, another order)
@@ -633,13 +633,7 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
             False,
         ),
     ]:
-        out = run_script(
-            script,
-            np_=np_,
-            env={**env, **PLANES[plane]},
-            timeout=120,
-            launcher_args=_hosts(np_, plane),
-        )
+        out = _run_on(plane, np_, script, env)
         assert out.returncode == 0, out.stdout + out.stderr
         found = re.findall(r"digest (\d) (\w+) rounds (\d+) express (\d+)", out.stdout)
         assert len(found) == np_, out.stdout
@@ -695,13 +689,7 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
     """
     digests = {}
     for mode, env in [("rounds", {}), ("rank 0", {"HOROVOD_PEER_ROUNDS": "0"})]:
-        out = run_script(
-            script,
-            np_=np_,
-            env={**env, **PLANES[plane]},
-            timeout=120,
-            launcher_args=_hosts(np_, plane),
-        )
+        out = _run_on(plane, np_, script, env)
         assert out.returncode == 0, out.stdout + out.stderr
         found = re.findall(r"digest (\d) (\w+) rounds (\d+)", out.stdout)
         assert len(found) == np_, out.stdout

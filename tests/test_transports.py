@@ -58,31 +58,14 @@ def _make(
             )
             if kind in ("tcp-polled", "mixed"):
                 t = PolledTcpTransport(t, spin_us, oversubscribed=False, board_timeout=10)
+            shm = dict(
+                store=store, scope="s", secret=secret, chunk=chunk, slots=slots, spin_us=spin_us
+            )
             if kind == "mixed":
-                t = ShmTransport.create(
-                    t,
-                    hosts,
-                    store=store,
-                    scope="s",
-                    secret=secret,
-                    chunk=chunk,
-                    slots=slots,
-                    spin_us=spin_us,
-                    timeout=10,
-                )
+                t = ShmTransport.create(t, hosts, timeout=10, **shm)
             if kind.startswith("shm"):
-                t = ShmTransport(
-                    t,
-                    list(range(n)),
-                    store=store,
-                    scope="s",
-                    secret=secret,
-                    chunk=chunk,
-                    slots=slots,
-                    spin_us=spin_us,
-                    timeout=10,
-                    single_copy=1 if kind == "shm-direct" else 0,
-                )
+                direct = 1 if kind == "shm-direct" else 0
+                t = ShmTransport(t, list(range(n)), timeout=10, single_copy=direct, **shm)
                 if probe_must_pass:
                     assert t.single_copy == (chunk + 1 if kind == "shm-direct" else 0)
             out[r] = t
