@@ -22,6 +22,7 @@ Must not touch: the control connections, the data plane, the engine's decisions.
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -85,6 +86,13 @@ class TcpBoard(PeerBoard):
         on_lost: Callable[[socket.socket], None],
     ) -> None:
         self.peers = [_Peer(r, s) for r, s in sorted(socks.items())]
+        # The live connections, polled before reading: one ``poll`` finds the peers with
+        # something to read (0.3 us), where a read of a silent socket raises (1.4 us per
+        # peer), and every express call and every turn of its wait reads the board.
+        self._readable = select.poll()
+        self._by_fd = {p.sock.fileno(): p for p in self.peers}
+        for fd in self._by_fd:
+            self._readable.register(fd, select.POLLIN)
         # Posts go to rank 0 last, and only once every other peer has taken its copy whole:
         # rank 0 may finish a round as soon as it has every post and then send a response
         # list (a shutdown) on a control connection, which must not overtake a post still on
@@ -103,7 +111,9 @@ class TcpBoard(PeerBoard):
     def pump(self) -> None:
         """Read whatever the peers sent (without blocking), and flush the backlogs."""
         self.flush()
-        for p in self.peers:
+        by_fd = self._by_fd
+        for fd, _ in self._readable.poll(0):  # (data, EOF or an error: ``_read`` tells)
+            p = by_fd[fd]
             if p.lost is None:
                 self._read(p)
 
@@ -187,6 +197,10 @@ class TcpBoard(PeerBoard):
         p.lost = err
         p.backlog.clear()
         self._on_lost(p.sock)
+        try:
+            self._readable.unregister(p.sock.fileno())
+        except (KeyError, OSError, ValueError):
+            pass
 
     def due(self) -> bool:
         self.pump()
