@@ -304,6 +304,23 @@ def test_a_mixed_board_is_read_only_by_its_drive_holder_not_by_fast_pending():
         _close(ts)
 
 
+def test_a_reader_that_lost_its_place_says_so_and_not_that_the_peer_closed():
+    """A full read-ahead buffer with no post in it cannot happen with one reader; a read into
+    no room returns 0 bytes, which once made a race look like a closed connection."""
+    ts = _make("tcp-polled", 2)
+    try:
+        p = _peer(ts[0], 1)
+        p.have = len(p.stage)
+        ts[1].board_post([1], [memoryview(np.ones(8, np.uint8))], tag=0)
+        deadline = time.monotonic() + 10
+        while p.lost is None:
+            ts[0].board.pump()
+            assert time.monotonic() < deadline
+        assert "lost its place" in str(p.lost) and "closed" not in str(p.lost)
+    finally:
+        _close(ts)
+
+
 def test_a_control_message_waits_behind_a_post_to_the_same_peer():
     ts = _make("tcp-polled", 2)
     try:

@@ -123,6 +123,16 @@ class TcpBoard(PeerBoard):
         sock = p.sock
         while True:
             body = p.body
+            if body is None and p.have >= STAGE:  # (a read of no room would look like EOF)
+                self._mark_lost(
+                    p,
+                    TransportError(
+                        f"the board's reader of rank {p.rank}'s posts lost its place (two "
+                        "threads read it at once?); this is a bug in horovod",
+                        p.rank,
+                    ),
+                )
+                return
             try:
                 if body is None:
                     k = sock.recv_into(p.stage[p.have :], 0, socket.MSG_DONTWAIT)
