@@ -1,6 +1,6 @@
 """The data-plane interface (``horovod.transport.base``), as the engine uses it, checked against
-every transport: loopback (ranks as threads), a job of one (``SoloTransport``), TCP and shared
-memory. A new data plane (MPI, NCCL) adds itself to ``KINDS`` and must pass all of this; the
+every transport: loopback (ranks as threads), a job of one (``SoloTransport``), TCP, shared
+memory, and both in a job on two host names ("mixed": shared memory with a ``MixedBoard``). A new data plane (MPI, NCCL) adds itself to ``KINDS`` and must pass all of this; the
 byte-moving contract (``exchange`` and its forms) is checked for the same kinds in
 ``test_transports.py``.
 
@@ -24,7 +24,7 @@ from horovod.common.exceptions import TransportError
 from horovod.transport.base import PeerBoard, PolledTransport, Transport
 from horovod.transport.loopback import SoloTransport
 
-KINDS = ["loopback", "solo", "tcp", "tcp-polled", "shm"]
+KINDS = ["loopback", "solo", "tcp", "tcp-polled", "shm", "mixed"]
 # What each kind must declare: polled (a waiting thread can run the engine), board (peer rounds)
 DECLARES = {
     "loopback": (False, False),
@@ -32,6 +32,8 @@ DECLARES = {
     "tcp": (False, False),
     "tcp-polled": (True, True),
     "shm": (True, True),
+    # two host names: shared memory with a MixedBoard on one, polled TCP alone on the other
+    "mixed": (True, True),
 }
 
 
@@ -43,7 +45,7 @@ def _build(kind: str, n: int) -> list:
 
 
 # (kind, ranks): the sizes each kind is checked at
-WORLDS = [(k, n) for k in KINDS for n in ([1] if k == "solo" else [2, 3])]
+WORLDS = [(k, n) for k in KINDS for n in ([1] if k == "solo" else [3] if k == "mixed" else [2, 3])]
 
 
 def _resources() -> tuple:

@@ -23,7 +23,7 @@ from horovod.transport.tcp import TcpTransport
 from horovod.transport.tcp_polled import PolledTcpTransport
 
 SECRET = b"k" * 32
-KINDS = ["loopback", "tcp", "tcp-polled", "shm", "shm-direct"]
+KINDS = ["loopback", "tcp", "tcp-polled", "shm", "shm-direct", "mixed"]
 CHUNK = 4096  # small slots: every larger message is cut into many chunks and wraps around
 
 
@@ -42,7 +42,10 @@ def _make(
     """n connected transports of ``kind`` (built concurrently, as ranks would). "shm-direct":
     shared memory with single-copy reads for every message of more than one chunk (checked to
     be on unless ``probe_must_pass`` is false). "mixed": a job on ``hosts`` (a host name per
-    rank): shared memory within each, polled TCP with board connections between them."""
+    rank; by default the first half of the ranks on one, the rest on another): shared memory
+    within each, polled TCP with board connections between them."""
+    if kind == "mixed" and hosts is None:
+        hosts = ["a" if r < (n + 1) // 2 else "b" for r in range(n)]
     store = store or MemoryStore()
     world = LoopbackWorld(n) if kind == "loopback" else None
     out: list = [None] * n
