@@ -2,7 +2,7 @@
 reach. Many rounds in a row with posts of every size up to the board's limit, posts larger
 than what the socket takes at once (the backlog), a peer lost while this rank waits for its
 post, a malformed post, a rank that never opens its board connections. The engine's peer
-rounds over TCP, end to end, are checked with shared memory's in ``test_shm_e2e.py``."""
+rounds over TCP, end to end, are checked with shared memory's in ``test_peer_rounds_e2e.py``."""
 
 from __future__ import annotations
 
