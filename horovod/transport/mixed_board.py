@@ -19,6 +19,7 @@ Only the thread holding the engine's ``drive`` lock calls these methods (as on e
 ``due_now`` aside: it reads no socket, so any thread may ask (the TCP board's reads are not
 thread-safe: ``fast_pending`` once asked ``due`` from another thread, whose read of half a
 post made the next read look like a closed connection).
+
 Output slots (an allgather's result read from the poster's shared memory) are off in such a
 job: the other hosts cannot read them, so every post carries its data.
 
