@@ -61,9 +61,8 @@ def test_a_job_on_two_host_names_runs_rounds_of_every_size_to_the_end():
     for _ in range(2):
         out = run_script(script, 4, launcher_args=["-H", "localhost:2,127.0.0.1:2"])
         assert out.returncode == 0, out.stdout + out.stderr
-        assert sorted(re.findall(r"done \d \[0, 1, 2, 3\] MixedBoard True", out.stdout)) == [
-            "done 0 [0, 1, 2, 3] MixedBoard True".replace("0 [", f"{r} [") for r in range(4)
-        ], out.stdout
+        done = re.findall(r"done (\d) \[0, 1, 2, 3\] MixedBoard True", out.stdout)
+        assert sorted(done) == ["0", "1", "2", "3"], out.stdout
 
 
 def test_crowded_counts_ranks_by_machine_not_host_name(monkeypatch):
