@@ -1,3 +1,4 @@
+import faulthandler
 import os
 import subprocess
 import sys
@@ -73,3 +74,23 @@ def horovodrun_example(np_: int, example: str, *args: str, timeout: float = 180)
 @pytest.fixture(params=SIZES, ids=lambda n: f"np{n}")
 def size(request):
     return request.param
+
+
+# Where a crash of this process is reported: a copy of the real stderr taken before any test
+# captures it (``pytest_configure``).
+_CRASH_FD: list[int] = []
+
+
+def pytest_configure(config):
+    _CRASH_FD.append(os.dup(2))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _python_reports_crashes():
+    """Python's fault handler, reinstalled for every test module. Ray's driver (test_ray)
+    installs a handler of its own that writes to its session's log files: a segmentation
+    fault later in one CI run killed pytest without a word about where."""
+    if _CRASH_FD:
+        faulthandler.disable()
+        faulthandler.enable(file=_CRASH_FD[0], all_threads=True)
+    yield
