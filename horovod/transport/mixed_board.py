@@ -72,25 +72,21 @@ class MixedBoard(PeerBoard):
     def deferred(self, value: bool) -> None:
         self.local.deferred = self.remote.deferred = value
 
-    @property
-    def n(self) -> int:
-        return self.local.n
-
     def _publish_if_sent(self) -> None:
         if self.unpublished and not self.remote.backlogged():
             self.unpublished = False
             self.local.publish()
             self._wake_local()
 
+    def _opened_now(self) -> bool:
+        return self.local.opened() or self.remote.opened_now()
+
     def due(self) -> bool:
-        remote = self.remote
         if self.local.open:
-            got = remote.due()  # (reads and flushes the TCP board; raises for a lost peer)
+            got = self.remote.due()  # (reads and flushes the TCP board; raises if lost)
             self._publish_if_sent()
             return got and self.local.due()
-        remote.pump()
-        self._publish_if_sent()
-        return not self.local.deferred and (self.local.opened() or remote.opened_now())
+        return not self.local.deferred and self.opened()
 
     def due_now(self) -> bool:
         """``due`` from what was read so far, without socket I/O: a thread that does not hold
@@ -99,12 +95,12 @@ class MixedBoard(PeerBoard):
             return True  # (the drive holder publishes it)
         if self.local.open:
             return self.local.due() and self.remote.due_now()
-        return not self.local.deferred and (self.local.opened() or self.remote.opened_now())
+        return not self.local.deferred and self._opened_now()
 
     def opened(self) -> bool:
         self.remote.pump()
         self._publish_if_sent()
-        return self.local.opened() or self.remote.opened_now()
+        return self._opened_now()
 
     def tags(self) -> list[int]:
         return self.local.tags() + self.remote.tags()

@@ -222,19 +222,16 @@ class TcpBoard(PeerBoard):
                         raise p.lost
                     return False
             return True
-        return not self.deferred and self._opened()
+        return not self.deferred and self.opened_now()
 
     def opened(self) -> bool:
         self.pump()
-        return self._opened()
-
-    def _opened(self) -> bool:
-        n = self.n
-        return any(p.latest > n for p in self.peers)
+        return self.opened_now()
 
     def opened_now(self) -> bool:
         """``opened`` without reading the sockets first (the caller just did: ``pump``)."""
-        return self._opened()
+        n = self.n
+        return any(p.latest > n for p in self.peers)
 
     def due_now(self) -> bool:
         """``due`` from the posts read so far, without reading the sockets: a thread that
@@ -243,7 +240,7 @@ class TcpBoard(PeerBoard):
         if self.open:
             n = self.n
             return all(p.latest >= n or p.lost is not None for p in self.peers)
-        return not self.deferred and self._opened()
+        return not self.deferred and self.opened_now()
 
     def tags(self) -> list[int]:
         n = self.n + 1

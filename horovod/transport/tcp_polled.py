@@ -244,13 +244,12 @@ class PolledTcpTransport(PolledTransport):
         board = self.board
         assert board is not None
         keep = {}
-        for sock in board.live():
-            peer = next(p.rank for p in board.peers if p.sock is sock)
-            if peer in same_host:
-                self._stop_polling(sock)
-                sock.close()
-            else:
-                keep[peer] = sock
+        for p in board.peers:
+            if p.rank not in same_host:
+                keep[p.rank] = p.sock
+            elif p.lost is None:
+                self._stop_polling(p.sock)
+                p.sock.close()
         self.board = TcpBoard(keep, self.inner.lost, self._stop_polling)
         return self.board
 
