@@ -20,6 +20,7 @@ import psutil
 import pytest
 from test_transports import _make, _run
 
+from horovod.common.alarm import make_alarm
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import PeerBoard, PolledTransport, Transport
 from horovod.transport.loopback import SoloTransport
@@ -203,6 +204,41 @@ def test_a_kick_wakes_a_sleeping_or_napping_engine_and_a_busy_one_does_not_sleep
         t.nap(0.05)  # no kick pending: sleeps its time
         assert time.monotonic() - t0 >= 0.04
     finally:
+        for x in ts:
+            x.close()
+
+
+@each(capability=0)
+def test_a_nap_on_an_alarm_ends_at_the_deadline_the_alarm_has_then(kind, n):
+    """The engine thread naps through a lease on an alarm that the thread running the
+    engine moves without waking it: the nap ends at the deadline the alarm has by then."""
+    ts = _build(kind, n)
+    t = ts[0]
+    alarm = make_alarm()
+    try:
+        assert alarm is not None, "no timerfd on this Linux machine"
+        if kind == "solo":  # (threads of one process: an event, no file descriptors)
+            assert not t.naps_on_alarm
+            return
+        assert t.naps_on_alarm
+        woke_at: list[float] = []
+        alarm.set_at(time.monotonic() + 0.1)
+        th = threading.Thread(target=lambda: (t.nap(5.0, alarm.fileno()), woke_at.append(0)))
+        t0 = time.monotonic()
+        th.start()
+        time.sleep(0.05)
+        alarm.set_at(t0 + 0.4)  # moved later while it naps
+        th.join(5)
+        took = time.monotonic() - t0
+        assert woke_at and 0.35 <= took < 2.0, took
+        alarm.clear()
+        alarm.set_at(time.monotonic() - 1)  # a deadline already past: at once
+        t0 = time.monotonic()
+        t.nap(5.0, alarm.fileno())
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        if alarm is not None:
+            alarm.close()
         for x in ts:
             x.close()
 

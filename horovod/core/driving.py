@@ -27,6 +27,10 @@ from horovod.core.peer_rounds import PeerRounds
 from horovod.transport.memory_order import fence
 
 MAX_SLEEP_S = 1.0  # longest sleep of the coordinator's engine thread on shared-memory jobs
+# How long after a lease ends its alarm goes off (the engine thread takes over): a deadline
+# this far ahead is not the CPU's next timer, so moving it costs no timer reprogramming
+# (measured on the VM: 2.2 us a move, 4-14 us for one 0.5-2 ms ahead).
+ALARM_SLACK_S = 0.004
 
 
 class Driving(PeerRounds):
@@ -85,13 +89,13 @@ class Driving(PeerRounds):
                 if lease > 0 and not self._busy():
                     # A waiting thread ran the engine a moment ago and will most likely be
                     # back: leave the work to it until its lease ends (a kick ends this early).
-                    self._sleep_until = time.monotonic() + lease
                     self._sleeping = True
                     try:
                         if not self._busy():
-                            t.nap(lease)
+                            self._nap(lease)
                     finally:
                         self._sleeping = False
+                        self._napping = False
                         self._kicked = False
                     continue
                 with self.drive:
@@ -126,6 +130,45 @@ class Driving(PeerRounds):
         finally:
             self._stop_now = True
             self._close_table(self.closed or shutdown_message())
+
+    def _nap(self, lease: float) -> None:
+        """(The engine thread.) Sleep through the ``lease`` seconds left of a waiting thread's
+        lease, or until kicked. On the alarm, the thread running the engine moves the end
+        meanwhile without waking this one (``_stretch_lease``, ``_lease_alarm``); the nap's
+        timeout is only a safety net."""
+        alarm = self.alarm
+        if alarm is None:
+            self._sleep_until = time.monotonic() + lease
+            self.polled.nap(lease)
+            return
+        alarm.clear()
+        end = time.perf_counter() + lease
+        if alarm.at < end:
+            alarm.set_at(end + ALARM_SLACK_S)
+        self._sleep_until = alarm.at  # (perf_counter's clock is monotonic's: make_alarm)
+        self._napping = True
+        self.polled.nap(MAX_SLEEP_S, alarm.fileno())
+
+    def _stretch_lease(self, seconds: float) -> None:
+        """(``drive`` held, before an operation expected to take ``seconds``.) If the engine
+        thread naps on an alarm that would go off before that, move the alarm past it: a nap
+        ending in the middle of the operation woke the engine thread on the core the operation
+        runs on (measured: 45 us more in a 16 MiB MPI broadcast)."""
+        alarm = self.alarm
+        if alarm is not None and self._napping:
+            now = time.perf_counter()
+            if alarm.at < now + seconds:
+                alarm.set_at(now + seconds + ALARM_SLACK_S)
+
+    def _lease_alarm(self, now: float) -> None:
+        """(``_leave`` granting a lease that ends ``now`` + ``lease_s``, the engine thread
+        napping on an alarm that would go off before the lease ends, or after a stretch more
+        than twice the slack after.) The alarm goes off the slack after the lease ends."""
+        alarm = self.alarm
+        assert alarm is not None
+        at = now + self.lease_s + ALARM_SLACK_S
+        alarm.set_at(at)
+        self._sleep_until = at
 
     def run_until(self, handle: Handle) -> None:
         """Run the engine on the calling thread until ``handle`` completes, as long as there is
@@ -203,19 +246,28 @@ class Driving(PeerRounds):
             # lease: "driving" stays published, and the engine thread leaves new work to it
             # until the lease ends. (A thread that comes back only after a training step's
             # compute gets none: the engine thread would be kicked and woken for nothing.)
-            self._lease_until = now + self.lease_s
+            self._lease_until = ends = now + self.lease_s
+            if self._napping:
+                at = self.alarm.at  # type: ignore[union-attr]
+                if at < ends or at > ends + 2 * ALARM_SLACK_S:
+                    self._lease_alarm(now)
             fence()
             self.drive.release()
             if self._sleeping:
                 until = self._sleep_until
-                if until is None or until > time.monotonic() + 2 * self.lease_s:
-                    # It sleeps past the lease's end and would not take over then.
+                if not self._napping and (
+                    until is None or until > time.monotonic() + 2 * self.lease_s
+                ):
+                    # It sleeps past the lease's end and would not take over then (a nap on
+                    # the alarm ends when the alarm goes off: ``_lease_alarm`` set it).
                     self._kick()
                 elif self._busy():
                     self._kick()
         else:
             # Gave up waiting (or stopping): the engine thread takes over at once.
             self._lease_until = 0.0
+            if self._napping:
+                self._kick()  # (its alarm may be a slack away: it takes over now)
             t.set_driving(False)
             fence()
             self.drive.release()

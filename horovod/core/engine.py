@@ -96,6 +96,8 @@ class Engine(ExpressPaths):
                 self._abort(f"rank {self.rank} could not shut down cleanly within {timeout:g} s")
                 self._thread.join(5)
         self._close_table(shutdown_message(f"rank {self.rank} {why}"))
+        if self.alarm is not None and not self._thread.is_alive():
+            self.alarm.close()
         if self.device_plane is not None:
             self.device_plane.close()
         self.transport.close()

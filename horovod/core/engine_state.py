@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+from horovod.common.alarm import make_alarm
 from horovod.core import ops
 from horovod.core.autotune import Autotuner
 from horovod.core.coordinator import Coordinator
@@ -143,6 +144,14 @@ class EngineState:
         # woken here for nothing). When the lease runs out the engine thread takes over.
         self.lease_s = min(10 * self.spin_s, LEASE_MAX_S)
         self._lease_until = 0.0
+        # The end of the engine thread's nap through a lease, in a kernel timer where the
+        # transport can sleep on one: the thread running the engine moves it past a long
+        # operation without waking the engine thread (``Driving._stretch_lease``).
+        self.alarm = make_alarm() if self.fast and self.polled.naps_on_alarm else None
+        self._napping = False  # the engine thread naps on the alarm
+        # Seconds a byte the last plane round of the express way took (1 GB/s until then):
+        # how far to move the alarm past the next one.
+        self._plane_s_per_byte = 1e-9
         # Only a thread that came back within a lease of the last one leaving gets a lease
         # (a loop of calls): granting one costs a kick of the sleeping engine thread, which
         # then wakes twice for nothing, in the middle of a training step's compute.

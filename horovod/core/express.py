@@ -220,7 +220,10 @@ class ExpressPaths(Driving):
             self._enter()
             # (a large op's peers may still be busy with the previous one, which took about
             # as long: waiting here beats handing over to the engine thread and back)
-            deadline = time.perf_counter() + self.spin_s + arr.nbytes * WAIT_PER_BYTE_S
+            began = time.perf_counter()
+            deadline = began + self.spin_s + arr.nbytes * WAIT_PER_BYTE_S
+            if plane and self._napping:  # (twice as long as the last one took, a byte)
+                self._stretch_lease(self.spin_s + 2 * arr.nbytes * self._plane_s_per_byte)
             tag, outk = self._post_lone(cid, resp, arr, np_alloc, plane)
             self.stats["express"] += 1
             ready = self._await_posts(deadline)
@@ -232,6 +235,8 @@ class ExpressPaths(Driving):
                     board.open = False
                     if plane:
                         result = self._express_plane(resp, arr, out)
+                        spent = time.perf_counter() - began  # (with the wait for the posts)
+                        self._plane_s_per_byte = spent / (arr.nbytes or 1)
                     else:
                         result = self._express_result(op, resp, arr, out, posts, outk)
                     self.express_key = None

@@ -231,8 +231,12 @@ class PolledTransport(Transport):
         passes; return at once if ``busy()`` or messages are there."""
 
     @abstractmethod
-    def nap(self, seconds: float) -> None:
-        """Sleep ``seconds`` unless ``kick`` is called (peers are not asked to wake us)."""
+    def nap(self, seconds: float, alarm: int | None = None) -> None:
+        """Sleep ``seconds`` unless ``kick`` is called (peers are not asked to wake us), or,
+        with ``alarm`` (a file descriptor: ``horovod.common.alarm``), until it is readable.
+        Only where ``naps_on_alarm``."""
+
+    naps_on_alarm = False  # ``nap`` takes an alarm (it sleeps on file descriptors)
 
     def ctrl_idle(self) -> bool:
         """No control message from a same-host rank to read, none waiting to be sent."""

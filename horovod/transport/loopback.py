@@ -172,6 +172,6 @@ class SoloTransport(LoopbackTransport, PolledTransport):
             self._wakeup.wait(timeout)
         self._wakeup.clear()
 
-    def nap(self, seconds: float) -> None:
+    def nap(self, seconds: float, alarm: int | None = None) -> None:  # (no alarms here)
         self._wakeup.wait(max(0.0, seconds))
         self._wakeup.clear()

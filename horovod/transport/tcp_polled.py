@@ -346,9 +346,13 @@ class PolledTcpTransport(PolledTransport):
         except (BlockingIOError, OSError):
             pass
 
-    def nap(self, seconds: float) -> None:
+    naps_on_alarm = True
+
+    def nap(self, seconds: float, alarm: int | None = None) -> None:
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
+        if alarm is not None:
+            poller.register(alarm, select.POLLIN)
         try:
             woken = poller.poll(max(0.0, seconds * 1000))  # (rounded up, as in ``sleep``)
         except (OSError, ValueError):

@@ -203,16 +203,20 @@ class ShmWaiting(ShmSegments):
             if self._remote is not None:
                 self._remote.settle()
 
-    def nap(self, seconds: float) -> None:
-        """Sleep ``seconds`` unless ``kick`` is called; peers are not asked to wake us."""
+    naps_on_alarm = True
+
+    def nap(self, seconds: float, alarm: int | None = None) -> None:
+        """Sleep ``seconds`` unless ``kick`` is called or ``alarm`` (a descriptor) becomes
+        readable; peers are not asked to wake us."""
         sock = self._esock
         assert sock is not None
-        fd = sock.fileno()
-        if fd < 1024:  # select() has microsecond resolution, poll() only milliseconds
-            select.select([fd], [], [], max(0.0, seconds))
+        fds = [sock.fileno()] if alarm is None else [sock.fileno(), alarm]
+        if max(fds) < 1024:  # select() has microsecond resolution, poll() only milliseconds
+            select.select(fds, [], [], max(0.0, seconds))
         else:
             poller = select.poll()
-            poller.register(fd, select.POLLIN)
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
             poller.poll(max(0, int(seconds * 1000 + 0.999)))
         self._drain(sock)
 
