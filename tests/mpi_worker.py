@@ -65,6 +65,12 @@ def collectives() -> None:
     assert all((big_g[k << 20 : (k + 1) << 20] == k).all() for k in range(n))
     b = hvd.broadcast(np.full(7, r, np.float32), root_rank=n - 1, name="bc")
     assert (b == n - 1).all()
+    # large broadcasts (MPI_Bcast): typed where MPI has the type, as bytes where it has not
+    for dt in (np.float16, np.float64, np.int8, np.bool_, ml_dtypes.bfloat16):
+        src = (np.arange(3 << 20) % 7 + r).astype(dt)  # (beyond the board: MPI_Bcast)
+        got = hvd.broadcast_(src.copy(), root_rank=n - 1, name=f"bcbig.{np.dtype(dt).name}")
+        expect = (np.arange(3 << 20) % 7 + n - 1).astype(dt)
+        assert got.dtype == expect.dtype and got.tobytes() == expect.tobytes(), dt
     # alltoall with uneven splits: rank r sends k+1 rows to rank k
     splits = [k + 1 for k in range(n)]
     rows = np.concatenate([np.full((k + 1, 2), 10 * r + k) for k in range(n)]).astype(np.int32)

@@ -203,7 +203,7 @@ class MpiCollectives:
         self._comm = comm
         self._levels: tuple[Any, Any] | None = None  # (host comm, leaders' comm or None)
         self._levels_made = False
-        MPI = _mpi()
+        self._MPI = MPI = _mpi()  # (kept: an import statement per call costs on cold caches)
         self._ops: dict[Any, Any] = {
             np.add: MPI.SUM,
             np.minimum: MPI.MIN,
@@ -242,9 +242,12 @@ class MpiCollectives:
         mpi_op = self._op(op, buf)
         if mpi_op is None:
             return False
-        MPI = _mpi()
+        MPI = self._MPI
         call = self._plane.call
-        levels = self._host_levels(hosts) if hierarchical else None
+        if not hierarchical:
+            call("MPI_ALLREDUCE", self._comm.get().Allreduce, MPI.IN_PLACE, buf, mpi_op)
+            return True
+        levels = self._host_levels(hosts)
         if levels is None:
             call("MPI_ALLREDUCE", self._comm.get().Allreduce, MPI.IN_PLACE, buf, mpi_op)
             return True
@@ -259,7 +262,7 @@ class MpiCollectives:
 
     def allgatherv(self, out: np.ndarray, nbytes: Sequence[int], hierarchical: bool, hosts) -> bool:
         """``out`` (bytes) holds this rank's block at its place already."""
-        MPI = _mpi()
+        MPI = self._MPI
         call = self._plane.call
         displs = _offsets(nbytes)
         levels = self._host_levels(hosts) if hierarchical else None
@@ -291,8 +294,8 @@ class MpiCollectives:
         return True
 
     def broadcast(self, buf: np.ndarray, root: int) -> bool:
-        MPI = _mpi()
-        self._plane.call("MPI_BCAST", self._comm.get().Bcast, [_bytes(buf), MPI.BYTE], root=root)
+        spec = buf if buf.dtype.char in REDUCIBLE else [_bytes(buf), self._MPI.BYTE]
+        self._plane.call("MPI_BCAST", self._comm.get().Bcast, spec, root=root)
         return True
 
     def alltoallv(
