@@ -313,3 +313,6 @@ def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers():
     for row in rows:  # the ratio column is a number; the allreduce went through MPI
         float(row.strip("|").split("|")[-1])
     assert not rows[0].split("|")[4].strip().startswith("0 us"), rows[0]
+    # the Python before the first MPI call, on the slowest rank: measured (a rank's own path)
+    before = rows[0].split("|")[5].strip()
+    assert before.endswith(" us") and int(before[:-3]) > 0, rows[0]
