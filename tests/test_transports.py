@@ -1039,3 +1039,40 @@ def test_peer_rounds_need_every_rank_on_the_host():
         assert all(t.board is None for t in out)
     finally:
         _close(out)
+
+
+def test_connections_within_one_machine_use_reno_and_others_keep_the_systems_choice():
+    """A pacing congestion control (BBR, this VM's default) paced same-machine connections
+    down to half after full-duplex traffic; both ends on one machine have nothing to control,
+    so they use Reno. Connections to another address keep the system's choice."""
+    import socket
+
+    from horovod.transport import tcp
+
+    ts = _make("tcp", 2)
+    try:
+        for t in ts:
+            for sock in list(t._data.values()) + list(t._ctrl.values()):
+                assert tcp.same_machine(sock)
+                got = sock.getsockopt(socket.IPPROTO_TCP, tcp.TCP_CONGESTION, 16)
+                assert got.rstrip(b"\0") == b"reno", got
+    finally:
+        _close(ts)
+
+    class Fake:
+        def __init__(self, mine, theirs):
+            self.mine, self.theirs = mine, theirs
+
+        def getsockname(self):
+            return (self.mine, 1)
+
+        def getpeername(self):
+            if self.theirs is None:
+                raise OSError("not connected")
+            return (self.theirs, 2)
+
+    assert tcp.same_machine(Fake("10.0.0.2", "10.0.0.2"))  # this machine's own address
+    assert tcp.same_machine(Fake("127.0.0.1", "127.0.0.1"))
+    assert tcp.same_machine(Fake("::1", "::1"))
+    assert not tcp.same_machine(Fake("10.0.0.2", "10.0.0.3"))  # another host
+    assert not tcp.same_machine(Fake("10.0.0.2", None))
