@@ -134,10 +134,13 @@ class Driving(PeerRounds):
     def _nap(self, lease: float) -> None:
         """(The engine thread.) Sleep through the ``lease`` seconds left of a waiting thread's
         lease, or until kicked. On the alarm, the thread running the engine moves the end
-        meanwhile without waking this one (``_stretch_lease``, ``_lease_alarm``); the nap's
-        timeout is only a safety net."""
+        meanwhile without waking this one (``_stretch_lease``, ``_lease_alarm``), and it goes
+        off up to ``ALARM_SLACK_S`` after the lease; the nap's timeout is only a safety net.
+        With ops of this rank in flight (an asynchronous submission during the lease), whose
+        peers' answers nobody would notice meanwhile, the nap ends with the lease, as without
+        an alarm."""
         alarm = self.alarm
-        if alarm is None:
+        if alarm is None or self.table:
             self._sleep_until = time.monotonic() + lease
             self.polled.nap(lease)
             return
