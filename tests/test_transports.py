@@ -1074,5 +1074,8 @@ def test_connections_within_one_machine_use_reno_and_others_keep_the_systems_cho
     assert tcp.same_machine(Fake("10.0.0.2", "10.0.0.2"))  # this machine's own address
     assert tcp.same_machine(Fake("127.0.0.1", "127.0.0.1"))
     assert tcp.same_machine(Fake("::1", "::1"))
+    assert tcp.same_machine(Fake("10.0.0.2", "127.0.1.1"))
+    assert tcp.same_machine(Fake("::ffff:10.0.0.2", "::ffff:127.0.0.1"))
+    assert not tcp.same_machine(Fake("10.0.0.2", "not an address"))
     assert not tcp.same_machine(Fake("10.0.0.2", "10.0.0.3"))  # another host
     assert not tcp.same_machine(Fake("10.0.0.2", None))

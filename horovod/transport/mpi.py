@@ -244,10 +244,7 @@ class MpiCollectives:
             return False
         MPI = self._MPI
         call = self._plane.call
-        if not hierarchical:
-            call("MPI_ALLREDUCE", self._comm.get().Allreduce, MPI.IN_PLACE, buf, mpi_op)
-            return True
-        levels = self._host_levels(hosts)
+        levels = self._host_levels(hosts) if hierarchical else None
         if levels is None:
             call("MPI_ALLREDUCE", self._comm.get().Allreduce, MPI.IN_PLACE, buf, mpi_op)
             return True

@@ -18,6 +18,7 @@ Must not touch: the engine, negotiation, the shared-memory plane.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import select
 import socket
@@ -52,18 +53,18 @@ def _tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
         except OSError:
             pass
-    if same_machine(sock):
+    if TCP_CONGESTION is not None and same_machine(sock):
         # Nothing to control between two ends on one machine, and a pacing congestion
         # control (BBR, a common default) paced it down to half after full-duplex traffic:
         # 16 MiB allreduces 5.9-6.1 ms instead of 3.8-3.9, broadcasts 4.3 ms instead of 2.3,
         # for tens of calls at a time (docs/benchmarks.md). Reno is always allowed to set.
         try:
             sock.setsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, SAME_MACHINE_CONGESTION)
-        except (OSError, AttributeError):
+        except OSError:
             pass
 
 
-TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)  # (Linux's number)
+TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", None)  # (Linux)
 SAME_MACHINE_CONGESTION = b"reno"
 
 
@@ -71,9 +72,11 @@ def same_machine(sock: socket.socket) -> bool:
     """Are both ends of connected ``sock`` on this machine (loopback, or the same address)?"""
     try:
         mine, theirs = sock.getsockname()[0], sock.getpeername()[0]
-    except (OSError, IndexError, TypeError):
+        addr = ipaddress.ip_address(theirs.split("%")[0])
+    except (OSError, IndexError, TypeError, ValueError):
         return False
-    return mine == theirs or theirs.startswith("127.") or theirs in ("::1", "::ffff:127.0.0.1")
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return mine == theirs or addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
