@@ -75,6 +75,7 @@ def _os_settime(fd: int, deadline: float) -> None:
 
 
 def _ctypes_calls():  # noqa: ANN202
+    """(create, settime) through libc, for one alarm (``make_alarm`` calls this per alarm)."""
     libc = ctypes.CDLL(None, use_errno=True)
     create = libc.timerfd_create
     create.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -87,17 +88,15 @@ def _ctypes_calls():  # noqa: ANN202
         ctypes.POINTER(_Itimerspec),
     ]
     settime.restype = ctypes.c_int
-    spec = _Itimerspec()  # (one per alarm would do; set_at holds the alarm's lock)
-    spec_lock = threading.Lock()
+    spec = _Itimerspec()  # (one per alarm: ``Alarm.set_at`` holds the alarm's lock)
 
     def settime_abs(fd: int, deadline: float) -> None:
         sec = int(deadline)
-        with spec_lock:
-            spec.it_value.tv_sec = sec
-            spec.it_value.tv_nsec = int((deadline - sec) * 1e9)
-            if settime(fd, TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, os.strerror(err))
+        spec.it_value.tv_sec = sec
+        spec.it_value.tv_nsec = int((deadline - sec) * 1e9)
+        if settime(fd, TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
 
     def create_fd() -> int:
         fd = create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC)
