@@ -8,6 +8,7 @@ from hypothesis.extra import numpy as hnp
 
 import horovod.numpy as hvd
 from horovod.testing import run_ranks
+from horovod.transport.shm.channels import PIECE_ALIGN, piece
 
 DTYPES = st.sampled_from([np.int32, np.int64, np.float32, np.float64, np.uint8])
 SETTINGS = settings(
@@ -89,3 +90,20 @@ def test_reducescatter_matches_reference(data, size, rows, width):
     starts = np.cumsum([0] + counts)
     for r, got in enumerate(run_ranks(lambda r: hvd.reducescatter(xs[r], op=hvd.Sum), size)):
         np.testing.assert_array_equal(got, total[starts[r] : starts[r + 1]])
+
+
+@given(
+    st.integers(0, 1 << 26),
+    st.integers(64, 1 << 22).map(lambda c: c // 64 * 64),
+    st.integers(1, 16),
+)
+def test_a_message_moves_in_pieces_that_fit_the_slots(nbytes, chunk, nslots):
+    """``piece``: never more than a slot; one chunk for a message of at most one slot or at
+    least all of them; otherwise whole pages (or the chunk) and at most one piece per slot."""
+    got = piece(nbytes, chunk, nslots)
+    assert 0 < got <= chunk
+    if nbytes <= chunk or nbytes >= chunk * nslots:
+        assert got == chunk
+    else:
+        assert got == chunk or got % PIECE_ALIGN == 0
+        assert -(-nbytes // got) <= nslots

@@ -171,6 +171,55 @@ def test_many_one_slot_messages_per_pair_keep_their_order(kind, n):
         _close(ts)
 
 
+@pytest.mark.parametrize("kind", ["shm", "mixed"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_messages_larger_than_a_slot_spread_over_every_slot_and_arrive(kind, n):
+    """A message larger than one slot that fits them all moves in equal whole-page pieces,
+    one per slot (``channels.piece``), so it passes through the same first part of each slot
+    every time: back to back with messages of other sizes (other pieces) on the same channels,
+    copied and reduced, every byte arrives, and the channel counts say how many pieces went."""
+    chunk, slots = 64 * 1024, 4
+    lengths = [chunk + 1, 2 * chunk + 3 * 4096 + 8, 5, 4 * chunk - 8, 3 * chunk, chunk]
+    ts = _make(kind, n, chunk=chunk, slots=slots)
+    try:
+
+        def fn(r, t):
+            peers = [p for p in range(n) if p != r]
+            local = [p for p in peers if p in getattr(t, "_out", {})]
+            before = {p: t._out[p].count for p in local}
+            sends, recvs, got = [], [], {}
+            for p in peers:
+                for i, ln in enumerate(lengths):
+                    data = (np.arange(ln, dtype=np.int64) * (r + 3) + p * 5 + i).astype(np.uint8)
+                    sends.append((p, memoryview(data)))
+                    buf = np.empty(ln, np.uint8)
+                    got[(p, i)] = buf
+                    recvs.append((p, memoryview(buf)))
+            t.exchange(sends, recvs)
+            for (p, i), buf in got.items():
+                ln = lengths[i]
+                expect = (np.arange(ln, dtype=np.int64) * (p + 3) + r * 5 + i).astype(np.uint8)
+                assert np.array_equal(buf, expect), (r, p, i)
+            # pieces (slots written) per message: every one larger than a slot in 4 (one per
+            # slot: 20, 36, 64 and 48 KiB), the others in 1; in whole chunks it was
+            # 2 + 3 + 1 + 4 + 3 + 1 = 14
+            for p in local:
+                assert t._out[p].count - before[p] == 4 + 4 + 1 + 4 + 4 + 1, (r, p)
+            # a reduction of a spread message, into an array of float64
+            vals = np.arange(3 * chunk // 8 + 5, dtype=np.float64) * (r + 1)
+            dst = np.full_like(vals, 100.0)
+            t.exchange_reduce(
+                [(p, as_bytes(vals)) for p in peers], [], [(p, dst, np.add) for p in peers]
+            )
+            expect = 100.0 + sum(np.arange(vals.size, dtype=np.float64) * (p + 1) for p in peers)
+            assert np.array_equal(dst, expect), r
+            return True
+
+        assert all(_run(ts, fn))
+    finally:
+        _close(ts)
+
+
 def test_exchange_reduce_combines_on_arrival(kind):
     ts = _make(kind, 2)
     try:

@@ -97,16 +97,41 @@ class Copier:
                 self.off = off + n
 
 
+def piece(nbytes: int, chunk: int, nslots: int) -> int:
+    """Bytes per slot of a message of ``nbytes`` through a channel of ``nslots`` slots of
+    ``chunk``: one chunk, or for a message larger than one slot that fits them all, spread over
+    all the slots (whole pages), so that it lands in
+    the same first part of each slot every time instead of wherever the slots' turn is. The
+    memory a step's messages pass through is then their size, not up to every slot's: a
+    training step's gradients (between steps, forward and backward evict the slots) touch fewer
+    cold cache lines (2-rank 2.4 MB allreduce after a cache flush: see docs/benchmarks.md)."""
+    if nbytes <= chunk or nbytes >= chunk * nslots:
+        return chunk  # (one slot's worth: one piece, the fewest per-piece steps)
+    spread = -(-nbytes // nslots)
+    return min(chunk, -(-spread // PIECE_ALIGN) * PIECE_ALIGN)
+
+
+# Pieces are whole multiples of this (a page: any dtype's item divides it, and a reducing
+# receiver's ufunc sees aligned pieces).
+PIECE_ALIGN = 4096
+
+
 class InFlight:
     """A message in progress over a channel: bytes (copy) or an array to reduce into.
     ``direct``: it moves by single copy (the sender posts its address in one slot, the receiver
     reads it from the sender's memory); ``ack``: the channel count at which the receiver is done
     with a posted direct send (0 before it is posted)."""
 
-    __slots__ = ("mv", "dst", "op", "off", "direct", "ack")
+    __slots__ = ("mv", "dst", "op", "off", "direct", "ack", "piece")
 
     def __init__(
-        self, mv: memoryview, dst: np.ndarray | None = None, op=None, direct: bool = False
+        self,
+        mv: memoryview,
+        dst: np.ndarray | None = None,
+        op=None,
+        direct: bool = False,
+        piece: int = 0,
     ) -> None:
         self.mv, self.dst, self.op, self.off = mv, dst, op, 0
         self.direct, self.ack = direct, 0
+        self.piece = piece  # bytes per slot (both ends compute it from the length: ``piece``)

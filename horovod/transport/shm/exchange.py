@@ -23,7 +23,7 @@ from horovod.common.exceptions import TransportError
 from horovod.transport import cma
 from horovod.transport.base import Message, Reduce, Reducer, as_bytes
 from horovod.transport.memory_order import order
-from horovod.transport.shm.channels import Channel, Copier, InFlight, advance, reached
+from horovod.transport.shm.channels import Channel, Copier, InFlight, advance, piece, reached
 from horovod.transport.shm.layout import COPY_PIECE, DESC, FAILED, PAGE
 from horovod.transport.shm.waiting import ShmWaiting
 
@@ -265,11 +265,18 @@ class ShmExchange(ShmWaiting):
         r_sends: list[Message] = []
         r_recvs: list[Message] = []
         after: list[tuple[np.ndarray, Reducer, np.ndarray]] = []
+        chunk, nslots = self.chunk, self.nslots
         for peer, mv in sends:
             if mv.nbytes:
                 if peer in self._out:
                     out.setdefault(peer, []).append(
-                        InFlight(mv.cast("B"), None, None, mv.nbytes >= big)
+                        InFlight(
+                            mv.cast("B"),
+                            None,
+                            None,
+                            mv.nbytes >= big,
+                            piece(mv.nbytes, chunk, nslots),
+                        )
                     )
                 else:
                     r_sends.append((peer, mv))
@@ -277,7 +284,13 @@ class ShmExchange(ShmWaiting):
             if mv.nbytes:
                 if peer in self._in:
                     inc.setdefault(peer, []).append(
-                        InFlight(mv.cast("B"), None, None, mv.nbytes >= big)
+                        InFlight(
+                            mv.cast("B"),
+                            None,
+                            None,
+                            mv.nbytes >= big,
+                            piece(mv.nbytes, chunk, nslots),
+                        )
                     )
                 else:
                     r_recvs.append((peer, mv))
@@ -293,7 +306,11 @@ class ShmExchange(ShmWaiting):
                 after.append((d, op, tmp))
         for peer, dst, op in reduces:
             if dst.nbytes and peer in self._in:
-                inc.setdefault(peer, []).append(InFlight(as_bytes(dst), dst, op, dst.nbytes >= big))
+                inc.setdefault(peer, []).append(
+                    InFlight(
+                        as_bytes(dst), dst, op, dst.nbytes >= big, piece(dst.nbytes, chunk, nslots)
+                    )
+                )
         tcp = self.inner
         r_out: dict = {}
         r_inc: dict = {}
@@ -320,7 +337,7 @@ class ShmExchange(ShmWaiting):
         copier: Copier | None = None,
     ) -> bool:
         moved = False
-        nslots, chunk = self.nslots, self.chunk
+        nslots = self.nslots
         for peer in list(out):
             ch = self._out[peer]
             q = out[peer]
@@ -342,7 +359,7 @@ class ShmExchange(ShmWaiting):
                     p.ack = ch.count
                     i += 1
                 else:
-                    n = min(chunk, p.mv.nbytes - p.off)
+                    n = min(p.piece, p.mv.nbytes - p.off)
                     slot[:n] = p.mv[p.off : p.off + n]
                     p.off += n
                     ch.count += 1
@@ -368,10 +385,10 @@ class ShmExchange(ShmWaiting):
                     self._read_direct(peer, p, slot, copier)
                     n = p.mv.nbytes
                 elif p.dst is None:
-                    n = min(chunk, p.mv.nbytes - p.off)
+                    n = min(p.piece, p.mv.nbytes - p.off)
                     p.mv[p.off : p.off + n] = slot[:n]
                 else:
-                    n = min(chunk, p.mv.nbytes - p.off)
+                    n = min(p.piece, p.mv.nbytes - p.off)
                     item = p.dst.itemsize
                     lo, k = p.off // item, n // item
                     seg = p.dst[lo : lo + k]
