@@ -369,6 +369,42 @@ def test_collectives_benchmark_measures_a_baseline_checkout_in_the_same_run(tmp_
     assert r.returncode != 0 and "no horovod package there" in r.stdout + r.stderr
 
 
+def test_collectives_benchmark_measures_cold_at_sizes_given(tmp_path):
+    """``--cold`` evicts the caches before every timed call, in every peer's worker (each
+    says so in its result, checked by the driver); ``--sizes`` picks the sizes. A baseline
+    checkout whose worker does not measure cold (one from before ``--cold``) stops the run
+    with what to do instead of measuring it warm beside cold figures."""
+    import shutil
+
+    r = run_module(
+        "horovod.benchmarks.collectives",
+        *("--peers", "ours", "--sizes", "3K,1.5K", "--cold", "--budget", "0.02"),
+        *("--repeats", "1"),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cold: caches evicted before every timed call" in r.stdout
+    for size in ("1.5 KiB", "3 KiB"):
+        assert r.stdout.count(f"| {size} |") == 3, r.stdout
+    base = tmp_path / "base"
+    shutil.copytree(
+        REPO / "horovod", base / "horovod", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    bench = base / "horovod" / "benchmarks" / "collectives.py"
+    src = bench.read_text()
+    old = src.replace("data[COLD_KEY] = _cold()", "pass", 1)
+    assert old != src
+    bench.write_text(old)
+    r = run_module(
+        "horovod.benchmarks.collectives",
+        *("--peers", "ours", "--sizes", "4", "--cold", "--budget", "0.02", "--repeats", "1"),
+        *("--baseline", str(base)),
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "base's worker did not measure cold as asked" in r.stdout
+    r = run_module("horovod.benchmarks.collectives", "--sizes", "4,lots")
+    assert r.returncode == 2 and "--sizes takes sizes such as 4,64K,2.4M" in r.stderr
+
+
 def test_collectives_benchmark_ratio_columns():
     from horovod.benchmarks.collectives import ratio_columns
 

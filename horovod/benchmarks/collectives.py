@@ -12,7 +12,10 @@ mpi4py). A ``memcpy`` column gives one process
 copying the same buffer, the physical reference. ``--baseline DIR`` adds ``base`` and
 ``base-tcp``: the same jobs run with the pyhorovod of another checkout (``DIR`` holds its
 ``horovod`` package, e.g. ``git worktree add /tmp/base <commit>``), interleaved with the
-others, so a change is measured against the code before it in the same run.
+others, so a change is measured against the code before it in the same run. ``--sizes``
+picks the message sizes (``4,64K,2.4M``); ``--cold`` evicts the caches before every timed
+call, in every peer alike (64 MiB written, then a barrier), for the regime of a training step,
+whose gradients are reduced after forward and backward have filled the caches with other data.
 
 For each message size it prints the median latency and the bus bandwidth of allreduce,
 allgather and broadcast for every implementation, measured in the same run, and our/peer
@@ -57,8 +60,35 @@ def iterations(nbytes: int, budget_s: float) -> int:
 
 
 # ---------------------------------------------------------------------------- workers
+# ``--cold``: the workers evict the caches before every timed call (set by ``main``; the
+# workers learn it from the environment, so that a baseline checkout's older worker, which
+# would not, is caught by the driver instead of measuring warm: ``COLD_KEY``).
+COLD_ENV = "HVD_BENCH_COLD"
+COLD_KEY = "_cold"  # a worker's result says whether it measured cold
+COLD_BYTES = 64 << 20  # written before each cold call: twice this machine's L3
+COLD_ITERATIONS = 40  # cold calls per figure at most (each costs a pass over COLD_BYTES)
+
+
+def _cold() -> bool:
+    return os.environ.get(COLD_ENV) == "1"
+
+
+_junk: list = []
+
+
+def _evict() -> None:
+    """Write ``COLD_BYTES``: the caches then hold that instead of the op's data, buffers and
+    code, as after a training step's forward and backward."""
+    import numpy as np
+
+    if not _junk:
+        _junk.append(np.zeros(COLD_BYTES, np.uint8))
+    _junk[0] += 1
+
+
 def _measure(run, nbytes: int, budget: float, barrier) -> float:
     n_it = iterations(nbytes, budget)
+    cold = _cold()
     # Warm up (caches, allocators, the response cache; every implementation alike) with a
     # quarter as many calls as are timed, at least 3. A count, not a time: every rank must
     # make the same number of calls.
@@ -66,7 +96,10 @@ def _measure(run, nbytes: int, budget: float, barrier) -> float:
         run()
     barrier()
     times = []
-    for _ in range(n_it):
+    for _ in range(min(n_it, COLD_ITERATIONS) if cold else n_it):
+        if cold:  # (then the ranks line up again, so no rank's eviction is timed)
+            _evict()
+            barrier()
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
@@ -205,11 +238,22 @@ def run_peer(peer: str, np_: int, sizes: list[int], budget: float) -> dict:
         "--out",
         out_file,
     ]
+    cold = _cold()
     launch.run(launcher, np_, args, extra_env=env)
     with open(out_file) as f:
         data = json.load(f)
     os.unlink(out_file)
+    if data.pop(COLD_KEY, False) != cold:
+        raise NotAsAsked(
+            f"{peer}'s worker did not measure {'cold' if cold else 'warm'} as asked (a "
+            "baseline checkout from before --cold cannot: copy this checkout's "
+            "horovod/benchmarks/collectives.py over the baseline's)"
+        )
     return data
+
+
+class NotAsAsked(RuntimeError):
+    """A peer's worker measured otherwise than asked: its figures would not compare."""
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -236,7 +280,9 @@ def busbw(op: str, nbytes: int, seconds: float, n: int) -> float:
 def human(nbytes: int) -> str:
     for unit, size in (("MiB", 1 << 20), ("KiB", 1024)):
         if nbytes >= size:
-            return f"{nbytes // size} {unit}"
+            return (
+                f"{nbytes // size} {unit}" if nbytes % size == 0 else f"{nbytes / size:.1f} {unit}"
+            )
     return f"{nbytes} B"
 
 
@@ -296,7 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--np", type=int, default=2)
     ap.add_argument("--peers", default="ours,ours-tcp,ours-mpi,gloo,mpi")
     ap.add_argument("--max-bytes", default="64M")
-    ap.add_argument("--sizes", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--sizes",
+        help="message sizes to measure, comma-separated (e.g. 4,64K,2.4M); default: the "
+        "standard set up to --max-bytes",
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help=f"evict the caches before every timed call ({COLD_BYTES >> 20} MiB written, then "
+        "a barrier): each op starts with its data, buffers and code out of cache, as after a "
+        f"training step's compute (at most {COLD_ITERATIONS} calls per figure)",
+    )
     ap.add_argument(
         "--budget", type=float, default=0.6, help="seconds of measurement per (op, size)"
     )
@@ -318,13 +375,23 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(s) for s in a.sizes.split(",")]
         data = WORKERS[a.worker](sizes, a.budget)
         if data:
+            data[COLD_KEY] = _cold()
             with open(a.out, "w") as f:
                 json.dump(data, f)
         return 0
     if a.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {a.repeats}")
-    limit = parse_size(a.max_bytes)
-    sizes = [s for s in DEFAULT_SIZES if s <= limit]
+    if a.sizes:
+        try:
+            sizes = sorted({parse_size(x) for x in a.sizes.split(",")})
+        except (KeyError, ValueError):
+            ap.error(f"--sizes takes sizes such as 4,64K,2.4M, got {a.sizes!r}")
+        if not sizes or sizes[0] < 1:
+            ap.error(f"--sizes must be at least 1 byte each, got {a.sizes!r}")
+    else:
+        limit = parse_size(a.max_bytes)
+        sizes = [s for s in DEFAULT_SIZES if s <= limit]
+    os.environ[COLD_ENV] = "1" if a.cold else "0"  # (the workers inherit it)
     wanted = a.peers.split(",")
     if a.baseline:
         wanted = with_baseline(wanted, a.baseline)
@@ -346,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring {peer} (pass {rep + 1} of {a.repeats}) ...", flush=True)
             try:
                 runs[peer].append(run_peer(peer, a.np, sizes, a.budget))
+            except NotAsAsked as e:
+                print(f"error: {e}")
+                return 2
             except launch.LaunchFailed as e:  # recorded for this pass; the others go on
                 print(f"{peer} failed in pass {rep + 1}: {e}")
                 failures.append(f"{peer}, pass {rep + 1}: {e.summary()}")
@@ -355,9 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     memcpy = {nbytes: memcpy_seconds(nbytes, a.budget) for nbytes in sizes}
     cpus = os.cpu_count() or 1
     over = f", {a.np} ranks on {cpus} CPUs: oversubscribed" if a.np > cpus else ""
+    cold = "; cold: caches evicted before every timed call" if a.cold else ""
     print(
         f"\nhost: {socket.gethostname()}, {cpus} CPUs, python {sys.version.split()[0]}{over}; "
-        f"best of {a.repeats} interleaved pass(es) per figure"
+        f"best of {a.repeats} interleaved pass(es) per figure{cold}"
     )
     print(table(results, sizes, a.np, memcpy))
     if failures:
