@@ -1,9 +1,11 @@
 """Data channels between two local ranks: counters and slots in the receiver's segment, and
 the bookkeeping of messages that move through them.
 
-A message moves as consecutive chunks, one per slot, so the sender fills the next slot while the
-receiver empties (or reduces straight out of) the previous one. Both sides cut messages into
-the same chunks because lengths agree (the Transport contract), so no framing is stored.
+A message moves as consecutive pieces, one per slot, so the sender fills the next slot while the
+receiver empties (or reduces straight out of) the previous one: a chunk each, or for a message
+larger than a slot that fits them all, equal whole pages, one per slot (``piece``). Both sides
+cut messages into the same pieces because lengths agree (the Transport contract), so no framing
+is stored.
 
 Must not touch: waking or waiting (``waiting``), the control rings, the board.
 """
