@@ -336,10 +336,9 @@ def test_collectives_benchmark_runs():
     assert "| 4 B |" in r.stdout and "| 1 KiB |" in r.stdout
 
 
-def test_collectives_benchmark_measures_a_baseline_checkout_in_the_same_run(tmp_path):
-    """``--baseline DIR`` runs DIR's horovod as the peer ``base``: here a copy whose benchmark
-    worker reports every figure as one second, so its latency column and the ratio prove that
-    the baseline's code ran and not this checkout's."""
+def _baseline_with(tmp_path, old: str, new: str):
+    """A copy of this checkout's horovod package (a baseline for ``--baseline``) whose
+    collectives benchmark has ``old`` replaced by ``new`` once."""
     import shutil
 
     base = tmp_path / "base"
@@ -348,9 +347,17 @@ def test_collectives_benchmark_measures_a_baseline_checkout_in_the_same_run(tmp_
     )
     bench = base / "horovod" / "benchmarks" / "collectives.py"
     src = bench.read_text()
-    marked = src.replace("_measure(runs[op], nbytes, budget, hvd.barrier)", "1.0", 1)
-    assert marked != src
-    bench.write_text(marked)
+    changed = src.replace(old, new, 1)
+    assert changed != src
+    bench.write_text(changed)
+    return base
+
+
+def test_collectives_benchmark_measures_a_baseline_checkout_in_the_same_run(tmp_path):
+    """``--baseline DIR`` runs DIR's horovod as the peer ``base``: here a copy whose benchmark
+    worker reports every figure as one second, so its latency column and the ratio prove that
+    the baseline's code ran and not this checkout's."""
+    base = _baseline_with(tmp_path, "_measure(runs[op], nbytes, budget, hvd.barrier)", "1.0")
     r = run_module(
         "horovod.benchmarks.collectives",
         *("--peers", "ours", "--max-bytes", "4", "--budget", "0.02", "--repeats", "1"),
@@ -374,8 +381,6 @@ def test_collectives_benchmark_measures_cold_at_sizes_given(tmp_path):
     says so in its result, checked by the driver); ``--sizes`` picks the sizes. A baseline
     checkout whose worker does not measure cold (one from before ``--cold``) stops the run
     with what to do instead of measuring it warm beside cold figures."""
-    import shutil
-
     r = run_module(
         "horovod.benchmarks.collectives",
         *("--peers", "ours", "--sizes", "3K,1.5K", "--cold", "--budget", "0.02"),
@@ -385,15 +390,7 @@ def test_collectives_benchmark_measures_cold_at_sizes_given(tmp_path):
     assert "cold: caches evicted before every timed call" in r.stdout
     for size in ("1.5 KiB", "3 KiB"):
         assert r.stdout.count(f"| {size} |") == 3, r.stdout
-    base = tmp_path / "base"
-    shutil.copytree(
-        REPO / "horovod", base / "horovod", ignore=shutil.ignore_patterns("__pycache__")
-    )
-    bench = base / "horovod" / "benchmarks" / "collectives.py"
-    src = bench.read_text()
-    old = src.replace("data[COLD_KEY] = _cold()", "pass", 1)
-    assert old != src
-    bench.write_text(old)
+    base = _baseline_with(tmp_path, "data[COLD_KEY] = _cold()", "pass")
     r = run_module(
         "horovod.benchmarks.collectives",
         *("--peers", "ours", "--sizes", "4", "--cold", "--budget", "0.02", "--repeats", "1"),

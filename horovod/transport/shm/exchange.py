@@ -266,32 +266,20 @@ class ShmExchange(ShmWaiting):
         r_recvs: list[Message] = []
         after: list[tuple[np.ndarray, Reducer, np.ndarray]] = []
         chunk, nslots = self.chunk, self.nslots
+
+        def moving(mv: memoryview, dst: np.ndarray | None = None, op=None) -> InFlight:
+            return InFlight(mv, dst, op, mv.nbytes >= big, piece(mv.nbytes, chunk, nslots))
+
         for peer, mv in sends:
             if mv.nbytes:
                 if peer in self._out:
-                    out.setdefault(peer, []).append(
-                        InFlight(
-                            mv.cast("B"),
-                            None,
-                            None,
-                            mv.nbytes >= big,
-                            piece(mv.nbytes, chunk, nslots),
-                        )
-                    )
+                    out.setdefault(peer, []).append(moving(mv.cast("B")))
                 else:
                     r_sends.append((peer, mv))
         for peer, mv in recvs:
             if mv.nbytes:
                 if peer in self._in:
-                    inc.setdefault(peer, []).append(
-                        InFlight(
-                            mv.cast("B"),
-                            None,
-                            None,
-                            mv.nbytes >= big,
-                            piece(mv.nbytes, chunk, nslots),
-                        )
-                    )
+                    inc.setdefault(peer, []).append(moving(mv.cast("B")))
                 else:
                     r_recvs.append((peer, mv))
         remote_reduces = [(p, d, op) for p, d, op in reduces if d.nbytes and p not in self._in]
@@ -306,11 +294,7 @@ class ShmExchange(ShmWaiting):
                 after.append((d, op, tmp))
         for peer, dst, op in reduces:
             if dst.nbytes and peer in self._in:
-                inc.setdefault(peer, []).append(
-                    InFlight(
-                        as_bytes(dst), dst, op, dst.nbytes >= big, piece(dst.nbytes, chunk, nslots)
-                    )
-                )
+                inc.setdefault(peer, []).append(moving(as_bytes(dst), dst, op))
         tcp = self.inner
         r_out: dict = {}
         r_inc: dict = {}
