@@ -282,6 +282,32 @@ def test_a_post_reaches_rank_0_on_its_host_only_after_the_other_hosts_took_it_wh
         _close(ts)
 
 
+def test_a_post_reaches_its_hosts_peers_before_rank_0_on_another_host():
+    """Rank 1 shares a host with rank 3, rank 0 is on the other: rank 1's post is published
+    in shared memory before any TCP copy goes out. Else rank 0 could end the round on the TCP
+    copy and send a shutdown list that reaches rank 3 while rank 1, descheduled in between,
+    has not published yet: the list then ended rank 3's open round (a 4-rank job's last
+    broadcast under load failed so, 3-4 runs in 30)."""
+    ts = _make("mixed", 4, hosts=MIXED[4])
+    try:
+        mixed = ts[1].board
+        seen = []
+        real_post = mixed.remote.post
+
+        def post(*args, **kwargs):
+            seen.append(ts[3].board.local.opened())  # rank 3 reads rank 1 in shared memory
+            real_post(*args, **kwargs)
+
+        mixed.remote.post = post
+        ts[1].board_post([4], [memoryview(np.full(8, 7, np.uint8))], tag=0)
+        assert seen == [True]
+        deadline = time.monotonic() + 10
+        while not all(ts[r].board.opened() for r in (0, 2, 3)):
+            assert time.monotonic() < deadline, "the post never reached every rank"
+    finally:
+        _close(ts)
+
+
 def test_a_mixed_board_is_read_only_by_its_drive_holder_not_by_fast_pending():
     """``fast_pending`` runs on threads that do not hold ``drive``: reading the TCP board
     there raced with the drive holder's reads, and a half-read post then made the next read
