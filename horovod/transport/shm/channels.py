@@ -99,23 +99,24 @@ class Copier:
                 self.off = off + n
 
 
+# Pieces are whole multiples of this (a page: any dtype's item divides it, and a reducing
+# receiver's ufunc sees aligned pieces).
+PIECE_ALIGN = 4096
+
+
 def piece(nbytes: int, chunk: int, nslots: int) -> int:
     """Bytes per slot of a message of ``nbytes`` through a channel of ``nslots`` slots of
     ``chunk``: one chunk, or for a message larger than one slot that fits them all, spread over
-    all the slots (whole pages), so that it lands in
-    the same first part of each slot every time instead of wherever the slots' turn is. The
-    memory a step's messages pass through is then their size, not up to every slot's: a
-    training step's gradients (between steps, forward and backward evict the slots) touch fewer
-    cold cache lines (2-rank 2.4 MB allreduce after a cache flush: see docs/benchmarks.md)."""
+    all the slots (whole pages), so that it lands in the same first part of each slot every
+    time instead of wherever the slots' turn is. The second step of an allreduce (allgather
+    after reduce-scatter) then reuses the slot memory the first just brought into cache, and
+    the memory a step's messages pass through is their size, not up to every slot's: a
+    training step's gradients, reduced after forward and backward evicted the slots, miss on
+    less of it (a 2-rank 2.4 MB allreduce after a cache flush: see docs/benchmarks.md)."""
     if nbytes <= chunk or nbytes >= chunk * nslots:
         return chunk  # (one slot's worth: one piece, the fewest per-piece steps)
     spread = -(-nbytes // nslots)
     return min(chunk, -(-spread // PIECE_ALIGN) * PIECE_ALIGN)
-
-
-# Pieces are whole multiples of this (a page: any dtype's item divides it, and a reducing
-# receiver's ufunc sees aligned pieces).
-PIECE_ALIGN = 4096
 
 
 class InFlight:
