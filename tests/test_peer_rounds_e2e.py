@@ -310,3 +310,38 @@ def test_allgather_results_in_output_slots_stay_exact_while_held_and_changed(np_
                 assert int(express) >= 1, found
             else:
                 assert int(held_in_slots) == 0 and int(total) == 0, found
+
+
+def test_an_uneven_allgather_in_a_plane_round_leaves_the_output_slots_alone():
+    """An allgather whose largest block exceeds a data round's room runs on the data plane,
+    which never reads output slots: an express call of it must not copy this rank's block into
+    one first (it did, for blocks that fit a slot: a wasted copy of up to 2 MiB per call)."""
+    script = """
+        import numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        eng = current().engine
+        t = eng.transport
+        rows = [384 if q == 0 else 64 for q in range(n)]  # 1.5 MiB from rank 0, 256 KiB others
+        def mine(v):
+            return np.full((rows[r], 1024), v + r, np.float32)
+        def expect(v):
+            return np.concatenate([np.full((rows[q], 1024), v + q, np.float32) for q in range(n)])
+        for o in t.out_owners:
+            o[:] = 7
+        planes = eng.stats["express_plane"]
+        for step in range(4):
+            out = hvd.allgather(mine(10 * step), name="uneven")
+            assert np.array_equal(out, expect(10 * step)), step
+        untouched = all(bool((o == 7).all()) for o in t.out_owners)
+        print("uneven", r, eng.stats["express_plane"] - planes, untouched, flush=True)
+        hvd.shutdown()
+    """
+    out = run_script(script, np_=2, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = re.findall(r"uneven (\d) (\d+) (True|False)", out.stdout)
+    assert len(found) == 2, out.stdout + out.stderr
+    for _rank, planes, untouched in found:
+        assert int(planes) >= 2, found  # (the first call negotiates; later ones are express)
+        assert untouched == "True", found

@@ -99,7 +99,8 @@ class ExpressPaths(Driving):
         """Post a lone op's data round (``drive`` held): its data, or an allgather's block in
         an output slot; with ``plane``, a plane round (its id only, as ``_post_round`` posts
         it). Returns (tag, output slot or -1)."""
-        out = self._out_post(array, alloc, resp, cid) if resp.op == ALLGATHER else -1
+        # (a plane round's allgather runs on the data plane, which never reads output slots)
+        out = self._out_post(array, alloc, resp, cid) if resp.op == ALLGATHER and not plane else -1
         if plane or out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
             parts = []
         else:
