@@ -701,6 +701,135 @@ def test_three_ranks_and_small_broadcasts_do_not_split(monkeypatch):
         _close(ts)
 
 
+STAR = (1 << 20) + 3 * 4096 + 77  # over the chain's threshold (the 1 MiB pipeline block)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_large_broadcast_that_every_rank_reads_by_single_copy_is_a_star(monkeypatch, n):
+    """Where every rank reads every other's memory, a broadcast over more than two ranks is a
+    star: each receiver reads the whole buffer straight from the root (one copy per byte and
+    receiver, all at once) instead of a chain through the slots (two per byte and link, one
+    link after the other). Back-to-back broadcasts of changing data from different roots stay
+    exact, and the root reads nothing."""
+    ts = _make("shm-direct", n)
+    try:
+        assert all(t.direct_reads(STAR) and not t.direct_reads(CHUNK) for t in ts)
+        reads = _recording(monkeypatch, "read")
+
+        def fn(r, t):
+            ok = []
+            for k, root in enumerate([n - 1, 0, 1]):
+                want = (np.arange(STAR) * (k + 3) % 251).astype(np.uint8)
+                buf = want.copy() if r == root else np.zeros(STAR, np.uint8)
+                sent = {p: c.count for p, c in t._out.items()}
+                alg.broadcast(t, buf, root)
+                ok.append(bool(np.array_equal(buf, want)))
+                # the root posts one descriptor to each receiver; receivers send nothing
+                moved = {p: c.count - sent[p] for p, c in t._out.items()}
+                ok.append(moved == ({p: 1 for p in moved} if r == root else dict.fromkeys(moved, 0)))
+                if r == root:
+                    buf[:] = 0  # the root may change its buffer at once
+            return threading.get_ident(), all(ok)
+
+        res = _run(ts, fn)
+        assert [ok for _, ok in res] == [True] * n
+        by_thread: dict = {}
+        for who, nb in reads:
+            by_thread[who] = by_thread.get(who, 0) + nb
+        # every rank read each broadcast it received once, whole: three, less its root turn
+        for r, (who, _) in enumerate(res):
+            turns = sum(1 for root in [n - 1, 0, 1] if root != r)
+            assert by_thread.get(who, 0) == turns * STAR, (r, by_thread)
+    finally:
+        _close(ts)
+
+
+@pytest.mark.parametrize("kind", ["shm", "mixed"])
+def test_a_large_broadcast_without_single_copy_everywhere_stays_a_chain(kind):
+    """Without single-copy reads (off, or ranks on another host over TCP) a star would have
+    the root send the buffer once per receiver: the chain stays, and the bits arrive."""
+    n = 4
+    ts = _make(kind, n)
+    try:
+        assert not any(t.direct_reads(STAR) for t in ts)
+
+        def fn(r, t):
+            want = (np.arange(STAR) * 7 % 253).astype(np.uint8)
+            buf = want.copy() if r == 2 else np.zeros(STAR, np.uint8)
+            alg.broadcast(t, buf, 2)
+            return bool(np.array_equal(buf, want))
+
+        assert _run(ts, fn) == [True] * n
+    finally:
+        _close(ts)
+
+
+def test_a_star_broadcast_within_a_process_set(monkeypatch):
+    """Ranks 0, 2 and 3 of four as a process set: the star goes between the global ranks (the
+    set's root, global rank 3, reads nothing) and rank 1 takes no part."""
+    from horovod.transport.base import SubTransport
+
+    ts = _make("shm-direct", 4)
+    try:
+        reads = _recording(monkeypatch, "read")
+
+        def fn(r, t):
+            if r == 1:
+                return threading.get_ident(), True
+            sub = SubTransport(t, [0, 2, 3])
+            assert sub.direct_reads(STAR)
+            buf = np.full(STAR, 40 + r, np.uint8)
+            sent = sum(c.count for c in t._out.values())
+            alg.broadcast(sub, buf, 2)  # set rank 2 = global rank 3
+            forwarded = sum(c.count for c in t._out.values()) - sent  # (a chain's middle would)
+            return threading.get_ident(), bool((buf == 43).all()) and forwarded == (r == 3) * 2
+
+        res = _run(ts, fn)
+        assert [ok for _, ok in res] == [True] * 4
+        readers = {who for who, _ in reads}
+        assert readers == {res[0][0], res[2][0]}
+        assert sum(nb for _, nb in reads) == 2 * STAR
+    finally:
+        _close(ts)
+
+
+def test_a_failed_read_in_a_star_broadcast_is_reported_and_does_not_hang(monkeypatch):
+    """A receiver that cannot read the root's memory fails with the reason and the way out;
+    the root and the other receiver end too (aborted, as the engine would), none hangs."""
+    ts = _make("shm-direct", 3)
+    try:
+        from horovod.transport import cma
+
+        real = cma.read
+        failing = {}
+
+        def read(pid, a, b, nbytes):
+            if threading.get_ident() == failing.get("who"):
+                raise OSError(14, "Bad address")
+            real(pid, a, b, nbytes)
+
+        monkeypatch.setattr(cma, "read", read)
+
+        def fn(r, t):
+            if r == 2:
+                failing["who"] = threading.get_ident()
+            buf = np.zeros(STAR, np.uint8)
+            try:
+                alg.broadcast(t, buf, 0)
+            except TransportError as e:
+                for u in ts:
+                    u.abort(str(e))
+                raise
+            return True
+
+        _, errs = _run_collect(ts, fn)
+        assert 2 in errs, errs
+        assert "could not read a message from rank 0" in str(errs[2])
+        assert "HOROVOD_SHM_SINGLE_COPY_BYTES=0" in str(errs[2])
+    finally:
+        _close(ts)
+
+
 def test_ranks_keep_reading_alone_when_one_cannot_write_the_others(monkeypatch, caplog):
     """Writing into a peer can be forbidden where reading is not: every rank then leaves the
     split off (the verdicts agree), says why, and keeps single-copy reads."""

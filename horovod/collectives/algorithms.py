@@ -8,9 +8,10 @@ Small messages use latency-optimal algorithms: direct exchange (one round: every
 data to every other rank), recursive doubling for allreduce on a power-of-two number of ranks
 above 2, a binomial tree for broadcast. Large ones use bandwidth-optimal ones: the ring
 (reduce-scatter then allgather, reducing straight out of the transport's buffers where it can)
-and a pipelined chain broadcast. ``SMALL_BYTES`` is the switch point (HOROVOD_RING_THRESHOLD_
-BYTES); every rank checks at init that it has the same value, so all ranks pick the same
-algorithm.
+and a pipelined chain broadcast, or a star where the transport moves such a message by single
+copy between every pair (``Transport.direct_reads``: each receiver reads the root's buffer).
+``SMALL_BYTES`` is the switch point (HOROVOD_RING_THRESHOLD_BYTES); every rank checks at init
+that it has the same value, so all ranks pick the same algorithm.
 
 Must not touch: the engine, negotiation, a transport's internals (only the ``Transport``
 contract), framework tensors.
@@ -407,8 +408,10 @@ def allgatherv(t, out: np.ndarray, nbytes: Sequence[int], src: np.ndarray | None
 
 
 def broadcast(t, buf: np.ndarray, root: int) -> None:
-    """From set rank ``root``: a binomial tree (log2 n steps) for small ``buf`` or two ranks,
-    a pipelined chain (every link busy at once, each byte crosses n-1 links) for large."""
+    """From set rank ``root``: a binomial tree (log2 n steps) for small ``buf`` or two ranks;
+    for large, a star where every rank reads every other's memory (each receiver copies the
+    root's buffer once, all at once), else a pipelined chain (every link busy at once, each
+    byte crosses n-1 links)."""
     n, me = t.size, t.rank
     if n == 1 or buf.nbytes == 0:
         return
@@ -416,7 +419,10 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
     if nat is not None and nat.broadcast(buf, root):
         return
     if n > 2 and buf.nbytes > max(SMALL_BYTES, PIPELINE_BYTES):
-        _broadcast_chain(t, buf, root)
+        if t.direct_reads(buf.nbytes):
+            _broadcast_star(t, as_bytes(buf), root)
+        else:
+            _broadcast_chain(t, buf, root)
         return
     view = as_bytes(buf)
     if n == 2:
@@ -437,6 +443,17 @@ def broadcast(t, buf: np.ndarray, root: int) -> None:
         mask >>= 1
     if sends:
         t.exchange_oneway(sends, [])
+
+
+def _broadcast_star(t, view: memoryview, root: int) -> None:
+    """Every other rank reads the whole buffer straight from the root's memory at once (where
+    the transport moves such messages by single copy): each byte is copied once per receiver,
+    in parallel, where the chain copies it twice per link (in and out of the slots), one link
+    after the other."""
+    if t.rank == root:
+        t.exchange([(p, view) for p in range(t.size) if p != root], [])
+    else:
+        t.exchange([], [(root, view)])
 
 
 def _broadcast_chain(t, buf: np.ndarray, root: int) -> None:

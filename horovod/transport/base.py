@@ -133,6 +133,13 @@ class Transport(ABC):
         else:
             self.exchange_oneway([], [(peer, mv)])
 
+    def direct_reads(self, nbytes: int) -> bool:
+        """Is a message of ``nbytes`` between any two ranks of this transport read straight
+        from the sender's memory (one copy, the sender only waits), so that every other rank
+        may read one rank's buffer at once (a broadcast's star)? False unless a transport
+        knows better."""
+        return False
+
     @abstractmethod
     def send_ctrl(self, peer: int, payload: bytes) -> None: ...
 
@@ -311,6 +318,9 @@ class SubTransport:
 
     def exchange_pair(self, peer: int, mv: memoryview, send: bool) -> None:
         self.parent.exchange_pair(self.ranks[peer], mv, send)
+
+    def direct_reads(self, nbytes: int) -> bool:
+        return self.parent.direct_reads(nbytes)  # (true between every pair of the parent's)
 
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]

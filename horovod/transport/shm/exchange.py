@@ -129,6 +129,13 @@ class ShmExchange(ShmWaiting):
             raise TransportError(self._aborted)
         self._split_oneway(peer, mv, send)
 
+    def direct_reads(self, nbytes: int) -> bool:
+        """Single copy between every pair: messages of at least the threshold (which every
+        local rank agreed on, so all decide alike), with every rank of the job on this host
+        (none reached over TCP)."""
+        big = self.single_copy
+        return bool(big) and nbytes >= big and len(self.local) == self.size
+
     def _split_oneway(self, peer: int, mv: memoryview, sending: bool) -> None:
         """Both sides post their buffer's address in a slot and read the other's; the sender
         writes bytes [0, half) into the receiver, the receiver reads [half, end) from the
