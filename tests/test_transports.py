@@ -43,8 +43,9 @@ def _make(
     shared memory with single-copy reads for every message of more than one chunk (checked to
     be on unless ``probe_must_pass`` is false). "mixed": a job on ``hosts`` (a host name per
     rank; by default the first half of the ranks on one, the rest on another): shared memory
-    within each, polled TCP with board connections between them."""
-    if kind == "mixed" and hosts is None:
+    within each, polled TCP with board connections between them ("mixed-direct": with
+    single-copy reads within each host, as "shm-direct")."""
+    if kind.startswith("mixed") and hosts is None:
         hosts = ["a" if r < (n + 1) // 2 else "b" for r in range(n)]
     store = store or MemoryStore()
     world = LoopbackWorld(n) if kind == "loopback" else None
@@ -59,13 +60,14 @@ def _make(
             t = TcpTransport(
                 r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
             )
-            if kind in ("tcp-polled", "mixed"):
+            if kind in ("tcp-polled", "mixed", "mixed-direct"):
                 t = PolledTcpTransport(t, spin_us, oversubscribed=False, board_timeout=10)
             shm = dict(
                 store=store, scope="s", secret=secret, chunk=chunk, slots=slots, spin_us=spin_us
             )
-            if kind == "mixed":
-                t = ShmTransport.create(t, hosts, timeout=10, **shm)
+            if kind.startswith("mixed"):
+                direct = 1 if kind == "mixed-direct" else 0
+                t = ShmTransport.create(t, hosts, timeout=10, single_copy=direct, **shm)
             if kind.startswith("shm"):
                 direct = 1 if kind == "shm-direct" else 0
                 t = ShmTransport(t, list(range(n)), timeout=10, single_copy=direct, **shm)
@@ -744,7 +746,7 @@ def test_a_large_broadcast_that_every_rank_reads_by_single_copy_is_a_star(monkey
         _close(ts)
 
 
-@pytest.mark.parametrize("kind", ["shm", "mixed"])
+@pytest.mark.parametrize("kind", ["shm", "mixed-direct"])
 def test_a_large_broadcast_without_single_copy_everywhere_stays_a_chain(kind):
     """Without single-copy reads (off, or ranks on another host over TCP) a star would have
     the root send the buffer once per receiver: the chain stays, and the bits arrive."""
@@ -760,6 +762,40 @@ def test_a_large_broadcast_without_single_copy_everywhere_stays_a_chain(kind):
             return bool(np.array_equal(buf, want))
 
         assert _run(ts, fn) == [True] * n
+    finally:
+        _close(ts)
+
+
+def test_a_star_broadcast_among_one_hosts_ranks_of_a_job_on_two_hosts(monkeypatch):
+    """In a job on two hosts the whole job's broadcast stays a chain (the test above), but a
+    set of one host's ranks (as a hierarchical step's local view is) is read by single copy:
+    a star there."""
+    from horovod.transport.base import SubTransport
+
+    n, big = 6, STAR
+    ts = _make("mixed-direct", n, hosts=["a"] * 3 + ["b"] * 3)
+    try:
+        reads = _recording(monkeypatch, "read")
+        alive = threading.Barrier(n)  # (every thread alive at once: their ids are distinct)
+
+        def fn(r, t):
+            alive.wait(10)
+            mine = [0, 1, 2] if r < 3 else [3, 4, 5]
+            sub = SubTransport(t, mine)
+            verdicts = (t.direct_reads(big), sub.direct_reads(big), sub.direct_reads(CHUNK))
+            buf = np.full(big, 10 + r, np.uint8)
+            alg.broadcast(sub, buf, 1)  # from each host's second rank
+            alive.wait(10)
+            return threading.get_ident(), verdicts, bool((buf == 10 + mine[1]).all())
+
+        res = _run(ts, fn)
+        assert [(v, ok) for _, v, ok in res] == [((False, True, False), True)] * n
+        # the star's receivers (each host's first and third rank) read it whole, once
+        readers = {who: 0 for who, _, _ in res}
+        for who, nb in reads:
+            readers[who] += nb
+        for r, (who, _, _) in enumerate(res):
+            assert readers[who] == (0 if r in (1, 4) else big), (r, readers)
     finally:
         _close(ts)
 

@@ -133,11 +133,11 @@ class Transport(ABC):
         else:
             self.exchange_oneway([], [(peer, mv)])
 
-    def direct_reads(self, nbytes: int) -> bool:
-        """Is a message of ``nbytes`` between any two ranks of this transport read straight
-        from the sender's memory (one copy, the sender only waits), so that every other rank
-        may read one rank's buffer at once (a broadcast's star)? False unless a transport
-        knows better."""
+    def direct_reads(self, nbytes: int, ranks: Sequence[int] | None = None) -> bool:
+        """Is a message of ``nbytes`` between any two of ``ranks`` (default: every rank of
+        this transport) read straight from the sender's memory (one copy, the sender only
+        waits), so that every other rank may read one rank's buffer at once (a broadcast's
+        star)? False unless a transport knows better."""
         return False
 
     @abstractmethod
@@ -319,8 +319,9 @@ class SubTransport:
     def exchange_pair(self, peer: int, mv: memoryview, send: bool) -> None:
         self.parent.exchange_pair(self.ranks[peer], mv, send)
 
-    def direct_reads(self, nbytes: int) -> bool:
-        return self.parent.direct_reads(nbytes)  # (true between every pair of the parent's)
+    def direct_reads(self, nbytes: int, ranks: Sequence[int] | None = None) -> bool:
+        r = self.ranks
+        return self.parent.direct_reads(nbytes, r if ranks is None else [r[p] for p in ranks])
 
     def exchange_reduce(
         self, sends: Sequence[Message], recvs: Sequence[Message], reduces: Sequence[Reduce]

@@ -129,12 +129,17 @@ class ShmExchange(ShmWaiting):
             raise TransportError(self._aborted)
         self._split_oneway(peer, mv, send)
 
-    def direct_reads(self, nbytes: int) -> bool:
-        """Single copy between every pair: messages of at least the threshold (which every
-        local rank agreed on, so all decide alike), with every rank of the job on this host
+    def direct_reads(self, nbytes: int, ranks: Sequence[int] | None = None) -> bool:
+        """Single copy between every pair of ``ranks``: messages of at least the threshold
+        (which every local rank agreed on, so all decide alike) between ranks of this host
         (none reached over TCP)."""
         big = self.single_copy
-        return bool(big) and nbytes >= big and len(self.local) == self.size
+        if not big or nbytes < big:
+            return False
+        if ranks is None:
+            return len(self.local) == self.size
+        local = self.local
+        return all(r in local for r in ranks)
 
     def _split_oneway(self, peer: int, mv: memoryview, sending: bool) -> None:
         """Both sides post their buffer's address in a slot and read the other's; the sender
