@@ -99,6 +99,37 @@ def test_large_messages_move_by_single_copy_between_processes():
     assert out.stdout.count("single_copy 0 split False") == 2 and out.stdout.count("exact") == 2
 
 
+def test_large_broadcasts_over_three_processes_read_the_roots_buffer():
+    """Three processes: a broadcast above the single-copy threshold is a star (each receiver
+    reads the root's buffer itself, ``Transport.direct_reads``), from every root, in place
+    and not; exact, and the same with single copy off (the chain through the slots)."""
+    script = """
+        import numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r = hvd.rank()
+        t = current().engine.transport
+        n = (3 << 20) + 5  # float32: 12 MiB
+        base = np.arange(n, dtype=np.float32) % 991
+        print("star", t.direct_reads(4 * n), flush=True)
+        for root in (2, 0, 1):
+            b = hvd.broadcast(base + 10 * r, root_rank=root, name=f"b{root}")
+            assert np.array_equal(b, base + 10 * root), ("broadcast", root)
+            x = base + (7 * root if r == root else -1)
+            hvd.broadcast_(x, root, name="inplace")
+            assert np.array_equal(x, base + 7 * root), ("broadcast_", root)
+        print("exact", flush=True)
+    """
+    out = run_script(script, np_=3)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("exact") == 3, out.stdout
+    if _can_read_a_child_process():
+        assert out.stdout.count("star True") == 3, out.stdout
+    out = run_script(script, np_=3, env={"HOROVOD_SHM_SINGLE_COPY_BYTES": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("star False") == 3 and out.stdout.count("exact") == 3, out.stdout
+
+
 def test_mixed_sync_async_ops_from_several_threads_stay_exact():
     """Application threads take turns running the engine; async ops are left to the engine
     thread. Every result is checked."""
