@@ -571,6 +571,9 @@ def _shm_engines(n: int, **kw):
         for r in range(n)
     ]
     for e in engines:
+        # (the data rounds' allreduce budget these tests' sizes were chosen against; by
+        # default 2 ranks carry up to 1 MiB: test_the_allreduce_budget_of_a_data_round...)
+        e.round_budget = 16384
         e.start()
     return engines
 
@@ -969,11 +972,11 @@ def test_express_calls_give_exact_results_without_entering_the_table(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_express_allreduces_too_large_for_a_data_round_run_on_the_data_plane(n):
-    """Synchronous allreduces above the data rounds' budget (16 KiB in these engines: 20 KB
-    goes by direct exchange, 400 KB by the ring) take the express way too once cached: the
-    calling thread posts a plane round and runs the op on the data plane itself, with no
-    entry (the table stays empty). In place and into a new array, with Sum, Average and Max;
-    results are exact and every rank gets the same bits."""
+    """Synchronous allreduces above the data rounds' budget (16 KiB in these engines: 20 KB goes
+    by direct exchange, 400 KB by the ring) take the express way too once cached: the calling
+    thread posts a plane round and runs the op on the data plane itself, with no entry (the
+    table stays empty). In place and into a new array, with Sum, Average and Max; results are
+    exact and every rank gets the same bits."""
     from horovod.core.messages import AVERAGE, MAX, SUM
 
     engines = _shm_engines(n)
@@ -1450,3 +1453,25 @@ def test_round_decisions_need_the_same_ops_kind_bytes_and_list_count():
     assert decide(items, [4, 5], tag, [(1, 7 << 1 | 1, [4, 5], mem[:0], -1)]) == "fallback"
     assert decide(items, [4, 5], tag, [(1, 6 << 1, [4, 5], mem[:76], -1)]) == "fallback"
     assert decide(items, [4, 5], tag, [(1, tag, [4], mem[:0], -1)]) == "fallback"
+
+
+def test_the_allreduce_budget_of_a_data_round_shrinks_with_the_ranks():
+    """Every rank reads every other's post of an allreduce's data round: one post's room on
+    the board over the other ranks, over more than 2 no more than the direct exchange's
+    threshold (same bits as the plane), the eager budget as a floor (the board's room as a
+    ceiling), and none at all when it is 0."""
+    from horovod.collectives import algorithms as alg
+    from horovod.core.engine_state import round_allreduce_budget
+
+    shm, tcp, small = 1 << 20, 256 << 10, alg.SMALL_BYTES
+    assert round_allreduce_budget(16384, 2, shm) == shm
+    assert round_allreduce_budget(16384, 2, tcp) == tcp
+    assert round_allreduce_budget(16384, 3, shm) == small
+    assert round_allreduce_budget(16384, 3, tcp) == min(tcp // 2, small)
+    assert round_allreduce_budget(16384, 8, tcp) == tcp // 7
+    assert round_allreduce_budget(16384, 64, tcp) == 16384  # the eager budget is the floor
+    assert round_allreduce_budget(4 << 20, 3, shm) == shm  # ... and the board the ceiling
+    assert round_allreduce_budget(0, 2, shm) == 0  # HOROVOD_EAGER_ALLREDUCE_BYTES=0: off
+    assert round_allreduce_budget(16384, 2, 0) == 0  # no board
+    # ranks on several hosts (posts cross the link once per pair of ranks): the eager budget
+    assert round_allreduce_budget(16384, 4, tcp, large=False) == 16384

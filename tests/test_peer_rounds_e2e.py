@@ -144,9 +144,17 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
             outs = hvd.grouped_allreduce([rng.standard_normal(5), rng.standard_normal(3)],
                                          name="g", op=hvd.Sum)
             digest.update(b"".join(o.tobytes() for o in outs))
-        stats = current().engine.stats
+            # Larger ones still take a data round (256 KiB over the other ranks; over more
+            # than 2, no more than the plane's direct exchange takes)
+            big = 50_000 if hvd.size() == 2 else 30_000  # 200 KB / 120 KB of float32
+            for i, op in enumerate((hvd.Sum, hvd.Average)):
+                x = (rng.standard_normal(big) * 100).astype(np.float32)
+                digest.update(hvd.allreduce(x, name=f"big{i}", op=op).tobytes())
+        eng = current().engine
+        stats = eng.stats
         print("digest", hvd.rank(), digest.hexdigest(),
-              "rounds", stats["rounds_run"], "express", stats["express"], flush=True)
+              "rounds", stats["rounds_run"], "express", stats["express"],
+              "planes", stats["express_plane"], "budget", eng.round_budget, flush=True)
     """
     digests = {}
     for mode, env, rounds_on in [
@@ -163,18 +171,34 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
     ]:
         out = _run_on(plane, np_, script, env)
         assert out.returncode == 0, out.stdout + out.stderr
-        found = re.findall(r"digest (\d) (\w+) rounds (\d+) express (\d+)", out.stdout)
+        found = re.findall(
+            r"digest (\d) (\w+) rounds (\d+) express (\d+) planes (\d+) budget (\d+)",
+            out.stdout,
+        )
         assert len(found) == np_, out.stdout
-        assert len({d for _, d, _, _ in found}) == 1, (mode, found)  # every rank alike
+        assert len({d for _, d, *_ in found}) == 1, (mode, found)  # every rank alike
         digests[mode] = found[0][1]
-        rounds = [int(n) for _, _, n, _ in found]
-        express = [int(q) for _, _, _, q in found]
+        rounds = [int(n) for _, _, n, _, _, _ in found]
+        express = [int(q) for _, _, _, q, _, _ in found]
+        planes = [int(k) for _, _, _, _, k, _ in found]
+        budgets = {int(b) for *_, b in found}
         if rounds_on:
             assert all(n >= 1 for n in rounds), (mode, found)
         else:
             assert rounds == [0] * np_ and express == [0] * np_, (mode, found)
         if mode == "rounds":  # the synchronous calls ran their rounds the express way
             assert all(q >= 1 for q in express), (mode, found)
+            # the data rounds' allreduce budget: one post's room over the other ranks (shared
+            # memory 1 MiB, TCP 256 KiB; over more than 2 at most the direct exchange's 128
+            # KiB); ranks on several hosts (mixed): the eager budget alone
+            want = {("shm", 2): 1 << 20, ("shm", 3): 128 << 10, ("tcp", 2): 256 << 10}.get(
+                (plane, np_), 128 << 10 if plane == "tcp" else 16 << 10
+            )
+            assert budgets == {want}, (mode, found)
+            if plane != "mixed":  # the large ones too, as data rounds
+                assert planes == [0] * np_, (mode, found)
+        if mode == "data plane":  # (how many went the express way depends on timing)
+            assert sum(planes) >= 1, (mode, found)
     assert len(set(digests.values())) == 1, digests
 
 

@@ -514,20 +514,23 @@ def test_synchronous_torch_calls_go_express_unless_autograd_needs_the_call():
 def test_the_optimizers_last_bucket_is_reduced_the_express_way_with_exact_averages():
     """DistributedOptimizer reduces the step's last bucket in synchronize(), synchronously:
     with nothing else in flight it takes the engine's express way (a plane round for these
-    200 kB of gradients, no submission). The averages are exactly what every rank's own
-    gradients give, also with a second bucket in flight (a smaller bucket size) and with
-    gradients accumulated over two backward passes."""
+    1.45 MB of gradients, more than a data round carries; no submission). The averages are
+    exactly what every rank's own gradients give (computed by a copy of the model without
+    the optimizer: buckets reduced during backward change the model's gradients in place
+    before ``synchronize()``), also with a second bucket in flight (a smaller bucket size)
+    and with gradients accumulated over two backward passes."""
     pytest.importorskip("torch")
     script = """
-        import os, torch, horovod.torch as hvd
+        import copy, os, torch, horovod.torch as hvd
         from horovod.core.context import current
         torch.manual_seed(0)
         hvd.init()
         r = hvd.rank()
         stats = current().engine.stats
         passes = int(os.environ.get("PASSES", "1"))
-        model = torch.nn.Sequential(torch.nn.Linear(100, 400), torch.nn.ReLU(),
-                                    torch.nn.Linear(400, 20))
+        model = torch.nn.Sequential(torch.nn.Linear(100, 3000), torch.nn.ReLU(),
+                                    torch.nn.Linear(3000, 20))
+        ref = copy.deepcopy(model)  # (made before the optimizer's hooks)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                        named_parameters=model.named_parameters(),
                                        backward_passes_per_step=passes)
@@ -536,10 +539,13 @@ def test_the_optimizers_last_bucket_is_reduced_the_express_way_with_exact_averag
         before = stats["express_plane"]
         for step in range(12):
             opt.zero_grad()
+            ref.load_state_dict(model.state_dict())
+            ref.zero_grad()
             xs = [torch.randn(8, 100, generator=g) for _ in range(passes)]
             for x in xs:
                 model(x).pow(2).mean().backward()
-            mine = [p.grad.clone() for p in model.parameters()]
+                ref(x).pow(2).mean().backward()
+            mine = [p.grad for p in ref.parameters()]
             opt.synchronize()
             for i, (p, m) in enumerate(zip(model.parameters(), mine)):
                 want = sum(hvd.allgather(m.unsqueeze(0), name=f"check.{i}")) / 2

@@ -333,8 +333,10 @@ class Config:
         "Allreduces of at most this many bytes per rank that hit the response cache travel "
         "with their request to the coordinator, which reduces them and sends the result with "
         "its response list: one message round instead of two (0 turns it off). Where peer "
-        "rounds run (see HOROVOD_PEER_ROUNDS), such allreduces go to a peer round instead, "
-        "with their data.",
+        "rounds run (see HOROVOD_PEER_ROUNDS), allreduces go to a peer round instead, with "
+        "their data, up to one post's room on the board (1 MiB in shared memory, 256 KiB "
+        "over TCP) over the other ranks where all ranks share one host, up to this value "
+        "where they do not (0 turns that off too).",
         minimum=0,
     )
     peer_rounds: bool = _knob(

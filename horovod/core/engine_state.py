@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+from horovod.collectives import algorithms as alg
 from horovod.common.alarm import make_alarm
 from horovod.core import ops
 from horovod.core.autotune import Autotuner
@@ -37,6 +38,28 @@ LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its
 # times). Capped at a tenth of the stall-check time, so stalls still reach rank 0 early.
 ANSWER_WAIT_MAX_S = 0.5
 
+
+
+def round_allreduce_budget(
+    eager_bytes: int, size: int, board_bytes: int, large: bool = True
+) -> int:
+    """The most bytes per rank of allreduces that a peer round carries with their data. Every
+    rank reads every other's post and folds them itself, so what it reads is bounded by one
+    post's room on the board (``board_bytes``: 1 MiB in shared memory, 256 KiB where posts
+    travel over TCP) over the other ranks; over more than 2 ranks no more than the data
+    plane's direct exchange takes (its larger algorithms combine in another order, so an op
+    gives the same bits either way). At least the eager budget (HOROVOD_EAGER_ALLREDUCE_BYTES),
+    whose 0 turns data rounds for allreduces off as it turns the eager path off. Measured on 2
+    ranks, a data round beats the data plane's exchange up to the board's room (1.3-1.8x at
+    64 KiB-1 MiB in shared memory, 1.2-1.6x at 64-256 KiB over TCP: benchmarks.md). Without
+    ``large`` (ranks on several hosts: posts cross the hosts' link once per pair of ranks, far
+    more often than a hierarchical allreduce's data does), the eager budget alone."""
+    if eager_bytes <= 0:
+        return 0
+    auto = board_bytes // max(1, size - 1) if large else 0
+    if size > 2:
+        auto = min(auto, alg.SMALL_BYTES)
+    return min(max(eager_bytes, auto), board_bytes)
 
 class EngineState:
     """The state of one rank's engine (see the module docstring); subclassed by the parts."""
@@ -169,7 +192,10 @@ class EngineState:
         # Small allreduces, allgathers and broadcasts post their data and every rank computes
         # the results from the posts ("data" rounds); other cached ops post only their ids
         # and run on the data plane ("plane" rounds).
-        self.round_budget = min(eager_bytes, self.board_data)
+        hosts = transport.hosts
+        self.round_budget = round_allreduce_budget(
+            eager_bytes, size, self.board_data, not hosts or len(set(hosts)) == 1
+        )
         # A lone small cached op that its thread waits for at once runs its data round on
         # that thread without the engine's event handling (``_quick``).
         self.quick = True
