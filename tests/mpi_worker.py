@@ -27,6 +27,8 @@ def collectives() -> None:
     assert n == 3, n
     assert isinstance(current().engine.transport.native, MpiCollectives)
     assert hvd.mpi_enabled() and not hvd.gloo_enabled() and hvd.mpi_threads_supported()
+    # allreduces above the eager budget go to MPI, not to data rounds on the board
+    assert current().engine.round_budget <= 16384, current().engine.round_budget
     tri = n * (n + 1) // 2
     # every dtype and reduction (bool and bfloat16 have no MPI reduction: the project's
     # algorithms over MPI's point-to-point)

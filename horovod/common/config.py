@@ -335,8 +335,8 @@ class Config:
         "its response list: one message round instead of two (0 turns it off). Where peer "
         "rounds run (see HOROVOD_PEER_ROUNDS), allreduces go to a peer round instead, with "
         "their data, up to one post's room on the board (1 MiB in shared memory, 256 KiB "
-        "over TCP) over the other ranks where all ranks share one host, up to this value "
-        "where they do not (0 turns that off too).",
+        "over TCP) over the other ranks where all ranks share one host and the data plane is "
+        "the project's own, up to this value otherwise (0 turns that off too).",
         minimum=0,
     )
     peer_rounds: bool = _knob(
