@@ -6,7 +6,8 @@ one object, each adding the methods of its concern; this module gives them their
 attributes, the few primitives all of them use (``_send``, ``_register``, ``_close_table``),
 and declares the engine methods that lower layers call (``_handle``, ``_abort``, ...), so each
 layer type-checks on its own. It holds no logic of any path: a new attribute is added here,
-its use in the part that owns it.
+its use in the part that owns it (``round_allreduce_budget`` only derives the data rounds'
+allreduce budget from the configuration and the job's layout, once).
 
 Must not touch: a transport's private state, the coordinator's tables, framework tensors.
 """
@@ -39,7 +40,6 @@ LEASE_MAX_S = 0.001  # longest that a waiting thread's engine lease outlives its
 ANSWER_WAIT_MAX_S = 0.5
 
 
-
 def round_allreduce_budget(
     eager_bytes: int, size: int, board_bytes: int, large: bool = True
 ) -> int:
@@ -61,6 +61,7 @@ def round_allreduce_budget(
     if size > 2:
         auto = min(auto, alg.SMALL_BYTES)
     return min(max(eager_bytes, auto), board_bytes)
+
 
 class EngineState:
     """The state of one rank's engine (see the module docstring); subclassed by the parts."""
