@@ -168,6 +168,8 @@ class StallInspector:
             everyone = {r for r in ss.ranks if ps_id != 0 or r not in self.joined}
             if sum(map(len, callers)) != len(everyone) or set().union(*callers) != everyone:
                 continue  # overlapping callers, or some rank has called none yet
+            # (by lowest caller, not by which request arrived first: every run says the same)
+            pends.sort(key=lambda item: min(item[1].reqs))
             calls = "; ".join(
                 f"{ranks_text(sorted(p.reqs))} called {name.partition('.')[0]}{self._sites(p, {})}"
                 for name, p in pends
