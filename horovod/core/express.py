@@ -305,6 +305,7 @@ class ExpressPaths(Driving):
         me, n = self.rank, self.size
         stats = self.stats
         stats["rounds_run"] += 1
+        stats["data_rounds"] += 1
         stats["responses"] += 1
         stats["responses_run_by_caller"] += 1
         data: list[Any] = [None] * n

@@ -311,6 +311,7 @@ class PeerRounds(Executor):
         the parts; broadcasts take the root's. ``out``: this rank's output slot that holds
         its block of a lone allgather (which is then the result)."""
         self.stats["rounds_run"] += 1
+        self.stats["data_rounds"] += 1
         me, n = self.rank, self.size
         data: list[Any] = [None] * n
         outs = [-1] * n
