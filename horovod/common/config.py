@@ -336,8 +336,8 @@ class Config:
         "rounds run (see HOROVOD_PEER_ROUNDS), allreduces go to a peer round instead, with "
         "their data, up to one post's room on the board (1 MiB in shared memory and over TCP "
         "at 2 ranks, 256 KiB over TCP at more) over the other ranks where all ranks share one "
-        "host and the data plane is the project's own, up to this value otherwise (0 turns "
-        "that off too).",
+        "host and the data plane is the project's own (or, with MPI's, there are 2 ranks), up "
+        "to this value otherwise (0 turns that off too).",
         minimum=0,
     )
     peer_rounds: bool = _knob(

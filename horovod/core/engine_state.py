@@ -53,8 +53,8 @@ def round_allreduce_budget(
     ranks, a data round beats the data plane's exchange up to the board's room (1.3-1.8x at
     64 KiB-1 MiB in shared memory, 1.2-1.6x at 64 KiB-1 MiB over TCP: benchmarks.md). Without
     ``large`` (ranks on several hosts: posts cross the hosts' link once per pair of ranks, far
-    more often than a hierarchical allreduce's data does; or MPI's collectives asked for), the
-    eager budget alone."""
+    more often than a hierarchical allreduce's data does; or MPI's collectives asked for over
+    more than two ranks), the eager budget alone."""
     if eager_bytes <= 0:
         return 0
     auto = board_bytes // max(1, size - 1) if large else 0
@@ -195,12 +195,16 @@ class EngineState:
         # Small allreduces, allgathers and broadcasts post their data and every rank computes
         # the results from the posts ("data" rounds); other cached ops post only their ids
         # and run on the data plane ("plane" rounds).
-        # (scaled on one host, and where the data plane is the project's own: with MPI's
-        # collectives asked for, HOROVOD_CPU_OPERATIONS=mpi, larger allreduces go to MPI)
+        # (scaled on one host, and where the data plane is the project's own or there are
+        # two ranks: with MPI's collectives asked for, HOROVOD_CPU_OPERATIONS=mpi, over more
+        # ranks larger allreduces go to MPI, whose order of combining is its own, so that an
+        # op gives the same bits whichever path it takes; two ranks' sum is the same bits in
+        # either order)
         hosts = transport.hosts
         one_host = not hosts or len(set(hosts)) == 1
+        own_order = transport.native is None or size == 2
         self.round_budget = round_allreduce_budget(
-            eager_bytes, size, self.board_data, one_host and transport.native is None
+            eager_bytes, size, self.board_data, one_host and own_order
         )
         # A lone small cached op that its thread waits for at once runs its data round on
         # that thread without the engine's event handling (``_quick``).
