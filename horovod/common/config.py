@@ -334,10 +334,10 @@ class Config:
         "with their request to the coordinator, which reduces them and sends the result with "
         "its response list: one message round instead of two (0 turns it off). Where peer "
         "rounds run (see HOROVOD_PEER_ROUNDS), allreduces go to a peer round instead, with "
-        "their data, up to one post's room on the board (1 MiB in shared memory and over TCP "
-        "at 2 ranks, 256 KiB over TCP at more) over the other ranks where all ranks share one "
-        "host and the data plane is the project's own (or, with MPI's, there are 2 ranks), up "
-        "to this value otherwise (0 turns that off too).",
+        "their data, up to one post's room on the board (1 MiB in shared memory, 256 KiB "
+        "over TCP) over the other ranks where all ranks share one host and the data plane is "
+        "the project's own (or, with MPI's, there are 2 ranks), up to this value otherwise (0 "
+        "turns that off too).",
         minimum=0,
     )
     peer_rounds: bool = _knob(

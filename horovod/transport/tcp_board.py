@@ -34,14 +34,7 @@ from horovod.transport.base import PeerBoard
 
 HEADER = struct.Struct("<qqqq")  # round, cache ids, data bytes, tag
 MAX_RANKS = 8  # peer rounds over TCP in jobs of at most this many ranks (each posts to all)
-DATA_BYTES = 256 * 1024  # data of one post to several peers
-# ... where a rank has one peer (two ranks over TCP alone). A data round then moves what the
-# data plane would move between the two, less its round trip: 1.2-1.4x for 512 KiB-2 MiB
-# allreduces, allgathers and broadcasts on loopback (benchmarks.md). With more peers every post
-# goes to each of them (a broadcast's root sends it n-1 times; measured no faster at 3 ranks),
-# and a job on several hosts keeps the smaller room so no post crosses their link more often
-# than the hierarchical data plane's bytes would.
-PAIR_DATA_BYTES = 1024 * 1024
+DATA_BYTES = 256 * 1024  # data of one post
 MAX_IDS = 504  # cache ids of one post
 STAGE = 16 * 1024  # bytes read at once ahead of a post's body (a smaller post: in one read)
 
@@ -83,6 +76,7 @@ class _Peer:
 class TcpBoard(PeerBoard):
     """Peer rounds over board connections (see the module docstring)."""
 
+    data_bytes = DATA_BYTES
     max_ids = MAX_IDS
 
     def __init__(
@@ -90,14 +84,8 @@ class TcpBoard(PeerBoard):
         socks: dict[int, socket.socket],
         lost: Callable[[int, OSError | None], TransportError],
         on_lost: Callable[[socket.socket], None],
-        data_bytes: int | None = None,
     ) -> None:
-        """``data_bytes``: the room of one post's data (every rank of the board must give the
-        same; None: ``PAIR_DATA_BYTES`` with one peer, else ``DATA_BYTES``)."""
         self.peers = [_Peer(r, s) for r, s in sorted(socks.items())]
-        if data_bytes is None:
-            data_bytes = PAIR_DATA_BYTES if len(self.peers) == 1 else DATA_BYTES
-        self.data_bytes = data_bytes  # type: ignore[misc]
         # The live connections, polled before reading: one ``poll`` finds the peers with
         # something to read (0.3 us), where a read of a silent socket raises (1.4 us per
         # peer), and every express call and every turn of its wait reads the board.
@@ -176,8 +164,7 @@ class TcpBoard(PeerBoard):
         done = False
         while p.body is None and p.have >= HEADER.size:
             n, nids, nbytes, tag = HEADER.unpack_from(stage)
-            room = self.data_bytes
-            if n != p.latest + 1 or not 0 <= nids <= MAX_IDS or not 0 <= nbytes <= room:
+            if n != p.latest + 1 or not 0 <= nids <= MAX_IDS or not 0 <= nbytes <= DATA_BYTES:
                 self._mark_lost(
                     p,
                     TransportError(

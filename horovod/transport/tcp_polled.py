@@ -32,7 +32,7 @@ from typing import Any
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
 from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
-from horovod.transport.tcp_board import DATA_BYTES, TcpBoard
+from horovod.transport.tcp_board import TcpBoard
 
 _CHUNK = 1 << 16
 
@@ -250,8 +250,7 @@ class PolledTcpTransport(PolledTransport):
             elif p.lost is None:
                 self._stop_polling(p.sock)
                 p.sock.close()
-        # (the shared room: every rank of the job must agree on it, whatever its peers)
-        self.board = TcpBoard(keep, self.inner.lost, self._stop_polling, DATA_BYTES)
+        self.board = TcpBoard(keep, self.inner.lost, self._stop_polling)
         return self.board
 
     def board_post(
