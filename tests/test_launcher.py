@@ -336,6 +336,35 @@ def test_collectives_benchmark_runs():
     assert "| 4 B |" in r.stdout and "| 1 KiB |" in r.stdout
 
 
+def test_rounds_benchmark_times_both_ways_of_a_cached_op_as_asked():
+    """``horovod.benchmarks.rounds`` switches every cached op between a data round and a
+    plane round in one job; each row says how many calls went the way their block asked
+    (counted from the engine's data rounds), so a switch that stopped working shows."""
+    r = run_module(
+        "horovod.benchmarks.rounds", *("--sizes", "64K,2M", "--blocks", "2", "--calls", "5")
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 ranks, shm (board room 1 MiB" in r.stdout, r.stdout
+    rows = [line.strip("|").split("|") for line in r.stdout.splitlines() if line.startswith("| all")]
+    rows += [line.strip("|").split("|") for line in r.stdout.splitlines() if "| broadcast" in line]
+    got = {(c[0].strip(), c[1].strip()): c for c in rows}
+    # 2 MiB: only the allgather's posts (1 MiB a rank) fit the board
+    assert set(got) == {
+        ("allreduce", "64 KiB"),
+        ("allgather", "64 KiB"),
+        ("broadcast", "64 KiB"),
+        ("allgather", "2 MiB"),
+    }, r.stdout
+    assert "skipped (a post beyond the board's room): allreduce 2 MiB, broadcast 2 MiB" in r.stdout
+    for cells in got.values():
+        assert cells[2].strip().endswith(" us") and cells[3].strip().endswith(" us"), cells
+        float(cells[4].split()[0])  # the paired ratio
+        assert cells[5].strip() == "data", cells  # what the engine takes: a data round
+        assert int(cells[6].strip().rstrip("%")) >= 90, cells
+    r = run_module("horovod.benchmarks.rounds", "--calls", "0")
+    assert r.returncode == 2 and "--blocks and --calls must be at least 1" in r.stderr
+
+
 def _baseline_with(tmp_path, old: str, new: str):
     """A copy of this checkout's horovod package (a baseline for ``--baseline``) whose
     collectives benchmark has ``old`` replaced by ``new`` once."""

@@ -117,3 +117,12 @@ def run_ranks(
     if failures:
         raise RankFailed(failures, tbs)
     return results
+
+
+def engine() -> Any:
+    """The engine of this process's initialized job (``hvd.init()`` first): for benchmarks
+    and tests that look at its counters or switch its size limits."""
+    ctx = _context.current()
+    if ctx is None:
+        raise RuntimeError("Horovod has not been initialized; use hvd.init()")
+    return ctx.engine
