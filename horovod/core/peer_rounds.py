@@ -31,6 +31,7 @@ from horovod.core.handles import Entry, np_alloc
 from horovod.core.messages import (
     ALLGATHER,
     ALLREDUCE,
+    BARRIER,
     BROADCAST,
     CACHEABLE,
     CPU_DEVICE,
@@ -139,8 +140,8 @@ class PeerRounds(Executor):
                 if req.op == ALLREDUCE:
                     budget -= e.array.nbytes
                     data = req.reduce_op in ops.UFUNCS and budget >= 0
-                else:
-                    data = req.op == ALLGATHER or req.op == BROADCAST
+                else:  # (a barrier's post is its arrival: no data)
+                    data = req.op == ALLGATHER or req.op == BROADCAST or req.op == BARRIER
                 if data:
                     sizes = memo.get(cid) or self._posted_sizes(cid, resp)
                     room -= max(sizes)
@@ -158,7 +159,7 @@ class PeerRounds(Executor):
             parts = [
                 memoryview(e.array.reshape(-1).view(np.uint8))
                 for e, resp in items
-                if (resp.op != BROADCAST or resp.root == me) and out < 0
+                if (resp.op != BROADCAST or resp.root == me) and resp.op != BARRIER and out < 0
             ]
             tag = self.lists_done << 1
         else:
@@ -308,7 +309,8 @@ class PeerRounds(Executor):
         """Every rank posted these ops with its data (a "data" round): each rank computes
         every result from the posts alone. Allreduces reduce all parts in rank order with the
         data plane's numerics, so every rank computes the same bits; allgathers concatenate
-        the parts; broadcasts take the root's. ``out``: this rank's output slot that holds
+        the parts; broadcasts take the root's; a barrier is done (every rank posted it, so
+        every rank has reached it). ``out``: this rank's output slot that holds
         its block of a lone allgather (which is then the result)."""
         self.stats["rounds_run"] += 1
         self.stats["data_rounds"] += 1
@@ -357,6 +359,8 @@ class PeerRounds(Executor):
             if op == ALLGATHER:
                 res = self._gathered(resp, got.array, got.alloc, data, offs, outs)
                 self._out_done(outs)
+            elif op == BARRIER:  # every rank posted it: every rank has reached it
+                res = None
             else:  # BROADCAST
                 res = self._broadcasted(resp, got.array, got.output, data, offs)
             if tl is not None:
@@ -480,4 +484,6 @@ def posted_bytes(resp: Response, r: int) -> int:
     size = math.prod(shape) * item
     if resp.op == BROADCAST:
         return size if r == resp.root else 0
+    if resp.op == BARRIER:
+        return 0
     return size
