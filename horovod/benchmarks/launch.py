@@ -5,11 +5,13 @@ Must not touch: the runtime (it only starts processes under each framework's lau
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 DEFAULT_TIMEOUT_S = 900.0  # a benchmark run (one configuration, one pass) longer than this hung
 
@@ -166,3 +168,25 @@ def run(
             return
         if attempt == 1:
             raise LaunchFailed(f"{launcher} with {np_} ranks", status, tail, hung=status is None)
+
+
+def collect(
+    launcher: str, np_: int, module_args: list[str], extra_env: dict[str, str] | None = None
+) -> dict:
+    """Run ``python -m <module_args> --out FILE`` on ``np_`` ranks (``run``) and return what
+    its workers wrote to FILE (``report``)."""
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        run(launcher, np_, [*module_args, "--out", out], extra_env)
+        with open(out) as f:
+            return json.load(f)  # type: ignore[no-any-return]
+    finally:
+        os.unlink(out)
+
+
+def report(path: str, data: dict) -> None:
+    """A worker's result for ``collect``: rank 0 passes its figures, the others nothing."""
+    if data:
+        with open(path, "w") as f:
+            json.dump(data, f)

@@ -20,11 +20,9 @@ Must not touch: the runtime's internals beyond counting the plane's MPI time (it
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 from horovod.benchmarks import launch
@@ -125,18 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     if a.worker:
-        data = worker(sizes, a.iters, a.repeats)
-        if data:
-            with open(a.out, "w") as f:
-                json.dump(data, f)
+        launch.report(a.out, worker(sizes, a.iters, a.repeats))
         return 0
-    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
-    args = ["horovod.benchmarks.mpi_plane", "--worker", "--sizes", a.sizes, "--out", out]
+    args = ["horovod.benchmarks.mpi_plane", "--worker", "--sizes", a.sizes]
     args += ["--iters", str(a.iters), "--repeats", str(a.repeats)]
-    launch.run("mpirun", a.np, args, extra_env={"HOROVOD_CPU_OPERATIONS": "mpi"})
-    with open(out) as f:
-        data = json.load(f)
-    os.unlink(out)
+    data = launch.collect("mpirun", a.np, args, extra_env={"HOROVOD_CPU_OPERATIONS": "mpi"})
     print(f"\n{a.np} ranks, {os.cpu_count()} CPUs; best of {a.repeats} alternations")
     print(
         "| op | size | horovod (MPI plane) | of which in MPI | Python before MPI, slowest rank "

@@ -26,11 +26,8 @@ Must not touch: the runtime beyond switching the engine's two size limits (``boa
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 
 from horovod.benchmarks import launch
@@ -148,26 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.blocks < 1 or a.calls < 1:
         ap.error("--blocks and --calls must be at least 1")
     if a.worker:
-        data = worker(sizes, a.blocks, a.calls)
-        if data:
-            with open(a.out, "w") as f:
-                json.dump(data, f)
+        launch.report(a.out, worker(sizes, a.blocks, a.calls))
         return 0
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
+    args = ["horovod.benchmarks.rounds", "--worker", "--sizes", a.sizes]
+    args += ["--blocks", str(a.blocks), "--calls", str(a.calls)]
+    launcher, env = PLANES[a.plane]
     try:
-        args = ["horovod.benchmarks.rounds", "--worker", "--sizes", a.sizes, "--out", out]
-        args += ["--blocks", str(a.blocks), "--calls", str(a.calls)]
-        launcher, env = PLANES[a.plane]
-        try:
-            launch.run(launcher, a.np, args, extra_env=env)
-        except launch.LaunchFailed as e:
-            print(f"the {a.plane} job failed: {e}", file=sys.stderr)
-            return 1
-        with open(out) as f:
-            data = json.load(f)
-    finally:
-        os.unlink(out)
+        data = launch.collect(launcher, a.np, args, extra_env=env)
+    except launch.LaunchFailed as e:
+        print(f"the {a.plane} job failed: {e}", file=sys.stderr)
+        return 1
     print(table(data, a.np, a.plane))
     return 0
 
