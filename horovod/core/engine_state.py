@@ -193,8 +193,9 @@ class EngineState:
         self.board_ids = self.board.max_ids if self.board is not None else 0
         self.peer_rounds = peer_rounds
         # Small allreduces, allgathers and broadcasts post their data and every rank computes
-        # the results from the posts ("data" rounds); other cached ops post only their ids
-        # and run on the data plane ("plane" rounds).
+        # the results from the posts ("data" rounds; a barrier posts none: its post is its
+        # arrival); other cached ops post only their ids and run on the data plane ("plane"
+        # rounds).
         # (scaled on one host, and where the data plane is the project's own or there are
         # two ranks: with MPI's collectives asked for, HOROVOD_CPU_OPERATIONS=mpi, over more
         # ranks larger allreduces go to MPI, whose order of combining is its own, so that an

@@ -310,8 +310,8 @@ class PeerRounds(Executor):
         every result from the posts alone. Allreduces reduce all parts in rank order with the
         data plane's numerics, so every rank computes the same bits; allgathers concatenate
         the parts; broadcasts take the root's; a barrier is done (every rank posted it, so
-        every rank has reached it). ``out``: this rank's output slot that holds
-        its block of a lone allgather (which is then the result)."""
+        every rank has reached it). ``out``: this rank's output slot that holds its block of
+        a lone allgather (which is then the result)."""
         self.stats["rounds_run"] += 1
         self.stats["data_rounds"] += 1
         me, n = self.rank, self.size
