@@ -1195,6 +1195,76 @@ def test_express_refuses_what_it_cannot_run_and_leaves_no_trace():
         _stop_all(engines)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_express_lanes_follow_the_cache_when_a_names_request_changes(n, monkeypatch):
+    """The express way keeps what it learned about a name (its lane) and, on later calls, only
+    compares: when the same name is called with another shape, dtype or reduction, the cache
+    entry is replaced through rank 0 and the next calls must use the new one, never the lane
+    of the old request (nor a lane whose request came back under a new cache id). Every
+    result is exact; the lanes are bounded (here: at most 2, so three names drop and remake
+    them) and calls still go express."""
+    import horovod.core.express as express
+    from horovod.core.express import NOT_EXPRESS
+    from horovod.core.messages import MAX, MIN, SUM
+
+    monkeypatch.setattr(express, "MAX_LANES", 2)
+    engines = _shm_engines(n)
+    requests = [  # (shape, dtype, reduction, calls)
+        ((3,), np.int64, SUM, 8),
+        ((4,), np.int64, SUM, 8),
+        ((2, 2), np.int64, SUM, 8),
+        ((4,), np.int32, SUM, 8),
+        ((4,), np.int32, MAX, 8),
+        ((4,), np.float64, MIN, 8),
+        ((3,), np.int64, SUM, 8),
+        ((5,), np.int64, SUM, 1),  # negotiated only: the lane of (3,) stays, but stale
+        ((3,), np.int64, SUM, 8),
+    ]
+    try:
+
+        def rank(r, eng):
+            for others in ((), ("u", "v")):  # (other names: their lanes push "w"'s out)
+                for shape, dtype, op, calls in requests:
+                    for step in range(calls):
+                        x = np.full(shape, r + step, dtype)
+                        got, went = _sync(eng, ALLREDUCE, "w", x, None, op)
+                        want = {SUM: n * step + n * (n - 1) // 2, MAX: step + n - 1, MIN: step}
+                        assert got.shape == shape and got.dtype == dtype, (r, shape, got)
+                        assert (got == want[op]).all(), (r, shape, dtype, op, step, got)
+                        lane = eng._lanes.get("w")
+                        if went:  # its lane is the cache's entry for this request
+                            assert lane.cid == eng.sets[0].cache.by_name["w"], (r, lane.cid)
+                            assert (lane.shape, lane.dtype, lane.reduce_op) == (shape, dtype, op)
+                        for name in others:
+                            y = np.full(2, r * step, np.int64)
+                            u, _ = _sync(eng, ALLREDUCE, name, y, None, SUM)
+                            assert (u == step * n * (n - 1) // 2).all(), (r, name, step, u)
+                        assert len(eng._lanes) <= 2, eng._lanes
+            got, _ = _sync(eng, ALLREDUCE, "w", np.full(3, r, np.int64), None, SUM)
+            assert (got == n * (n - 1) // 2).all(), (r, got)
+
+        _race(rank, engines, 60)
+        for e in engines:
+            assert e.stats["express"] >= len(requests) * 4, e.stats
+        # A lane never stands for a request it was not made for: a call that differs from
+        # the cached one is refused, with nothing posted.
+        eng = engines[1]
+        lane = eng._lanes.get("w")
+        assert lane is not None and lane.shape == (3,) and lane.dtype == np.int64
+        posted = eng.board.n
+        for x, op in (
+            (np.ones(3, np.int32), SUM),
+            (np.ones(4, np.int64), SUM),
+            (np.ones(3, np.int64), MAX),
+        ):
+            got = eng.express(ALLREDUCE, "w", x, None, op, -1, lambda: SITE)
+            assert got is NOT_EXPRESS, (x.dtype, x.shape, op)
+            assert eng.express_key is None
+        assert eng.board.n == posted
+    finally:
+        _stop_all(engines)
+
+
 def test_a_submission_under_the_name_of_an_express_call_in_progress_is_refused():
     """While an express call waits for its peers (it has no entry in the table), another
     thread of the rank submitting an op under the same name is told the name is in flight,

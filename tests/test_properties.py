@@ -107,3 +107,56 @@ def test_a_message_moves_in_pieces_that_fit_the_slots(nbytes, chunk, nslots):
     else:
         assert got == chunk or got % PIECE_ALIGN == 0
         assert -(-nbytes // got) <= nslots
+
+
+CHANGES = ["none", "count", "kind", "ids", "other ids", "fewer bytes", "slot", "slot, no bytes"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["allreduce", "allgather", "broadcast"]),
+    st.integers(0, 3),
+    st.booleans(),
+    st.lists(st.sampled_from(CHANGES), min_size=1, max_size=4),
+)
+def test_an_express_calls_decision_is_the_rounds_decision(opname, root, plane, changes):
+    """``decide_lone``, the express way's check of its posts, answers what ``decide`` answers
+    for the same op alone in its round, whatever the peers posted: each peer's post is the
+    one that matches, or that with one thing changed."""
+    from horovod.core.messages import ALLGATHER, ALLREDUCE, BROADCAST, Response
+    from horovod.core.peer_rounds import decide, decide_lone, posted_bytes
+
+    op = {"allreduce": ALLREDUCE, "allgather": ALLGATHER, "broadcast": BROADCAST}[opname]
+    n = len(changes) + 1
+    resp = Response(
+        op,
+        0,
+        [f"{opname}.x"],
+        dtype=7,
+        shapes=[(2, 3)],
+        root=root % n if op == BROADCAST else -1,
+        dim0s=[[1 + r for r in range(n)]] if op == ALLGATHER else None,
+    )
+    sizes = tuple(posted_bytes(resp, r) for r in range(n))
+    mem = memoryview(bytes(400))
+    tag = 6 << 1 | plane
+    posts = []
+    for r, change in enumerate(changes, start=1):
+        t, ids, nb, out = tag, [4], 0 if plane else sizes[r], -1
+        if change == "count":
+            t = 5 << 1 | plane
+        elif change == "kind":
+            t = tag ^ 1
+        elif change == "ids":
+            ids = [4, 5]
+        elif change == "other ids":
+            ids = [5]
+        elif change == "fewer bytes":
+            nb = max(0, nb - 4)
+        elif change == "slot":
+            out = 0
+        elif change == "slot, no bytes":
+            out, nb = 1, 0
+        posts.append((r, t, ids, mem[:nb], out))
+    want = decide([(None, resp)], [4], tag, posts, sizes)
+    assert decide_lone(4, op, tag, posts, sizes) == want

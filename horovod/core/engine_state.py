@@ -222,6 +222,8 @@ class EngineState:
         # Bytes each rank posts for a cached op in a data round, by cache id (ids are never
         # reused, so entries never go stale; cleared now and then to bound the memory).
         self._posted_by_cid: dict[int, tuple[int, ...]] = {}
+        # What the express way keeps about each op it ran, by name (``express.Lane``).
+        self._lanes: dict[str, Any] = {}
         # Response lists processed so far (every rank processes the same lists in the same
         # order). A plane round runs only where every rank posted at the same count, and a
         # rank holds back the lists that arrive after its plane post until the round is

@@ -32,7 +32,7 @@ from horovod.core.messages import (
     Response,
 )
 from horovod.core.numerics import fold, one_fold
-from horovod.core.peer_rounds import decide
+from horovod.core.peer_rounds import decide_lone
 
 # ``Engine.express``: the op did not take the express way (the caller submits it as usual).
 NOT_EXPRESS: Any = object()
@@ -41,6 +41,59 @@ NOT_EXPRESS: Any = object()
 WAIT_PER_BYTE_S = 1e-9
 # The most an express call waits for the engine thread to let ``drive`` go (else it submits).
 DRIVE_WAIT_MAX_S = 0.001
+# Lanes kept at most (by name; all are dropped past this, and remade on the next calls).
+MAX_LANES = 4096
+
+
+class Lane:
+    """What an express call needs to know about one cached op, kept by its name from its first
+    express call on (the cache lookup, the bytes each rank posts, the reduction) so that the
+    calls after it only compare: the cache id still being the name's (ids are never reused, so
+    the response is the same) and the call's shape, dtype, op, reduction and root being the
+    lane's (the rest of the request is fixed on the express way) stand for the lookup."""
+
+    __slots__ = (
+        "op",
+        "cid",
+        "resp",
+        "shape",
+        "dtype",
+        "reduce_op",
+        "root",
+        "sizes",
+        "most",
+        "count",
+        "fold",
+    )
+
+    def __init__(
+        self,
+        op: int,
+        cid: int,
+        resp: Response,
+        arr: np.ndarray,
+        reduce_op: int,
+        root: int,
+        sizes: tuple[int, ...],
+        nranks: int,
+    ) -> None:
+        self.op, self.cid, self.resp = op, cid, resp
+        self.shape, self.dtype, self.count = arr.shape, arr.dtype, arr.size
+        self.reduce_op, self.root = reduce_op, root
+        self.sizes, self.most = sizes, max(sizes)
+        # A two-rank allreduce that is one ufunc straight into the output (``one_fold``).
+        self.fold = (
+            ops.UFUNCS[resp.reduce_op] if op == ALLREDUCE and one_fold(resp, nranks) else None
+        )
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous ``arr``, as a flat memoryview (for a post)."""
+    try:
+        return arr.data.cast("B")
+    except (TypeError, ValueError, NotImplementedError):  # (a dtype without a buffer format)
+        raw: Any = arr.reshape(-1).view(np.uint8)
+        return memoryview(raw)
 
 
 class ExpressPaths(Driving):
@@ -104,8 +157,7 @@ class ExpressPaths(Driving):
         if plane or out >= 0 or (resp.op == BROADCAST and resp.root != self.rank):
             parts = []
         else:
-            raw: Any = array.reshape(-1).view(np.uint8)
-            parts = [memoryview(raw)]
+            parts = [byte_view(array)]
         tag = self.lists_done << 1 | plane
         self.polled.board_post((cid,), parts, tag, out)
         stats = self.stats
@@ -172,23 +224,28 @@ class ExpressPaths(Driving):
             or self.closed is not None
         ):
             return NOT_EXPRESS
-        code = CODE_OF.get(arr.dtype)
-        if code is None:
-            return NOT_EXPRESS
-        ss = self.sets[0]
-        cache = ss.cache
-        sig = (op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, None)
-        cid = cache.lookup(name, sig, ss.set_rank)
-        if cid is None:
-            return NOT_EXPRESS
+        lane = self._lanes.get(name)
+        if (
+            lane is None
+            or lane.cid != self.sets[0].cache.by_name.get(name)
+            or lane.op != op
+            or lane.shape != arr.shape
+            or lane.dtype != arr.dtype
+            or lane.reduce_op != reduce_op
+            or lane.root != root
+        ):
+            lane = self._lane(op, name, arr, reduce_op, root)
+            if lane is None:
+                return NOT_EXPRESS
         self.express_key = (0, name)  # from here a submission under this name is refused
         # (the engine thread may hold ``drive`` for a moment more, finishing the loop that
         # ran this thread's previous op: waiting a little for it keeps a loop of large calls
         # on the express way instead of handing every call over)
-        wait = min(self.spin_s, DRIVE_WAIT_MAX_S)
+        drive = self.drive
         try:
             took = not self.table and (
-                self.drive.acquire(timeout=wait) if wait > 0 else self.drive.acquire(blocking=False)
+                drive.acquire(False)
+                or (self.spin_s > 0 and drive.acquire(timeout=min(self.spin_s, DRIVE_WAIT_MAX_S)))
             )
         except BaseException:  # (interrupted while waiting: nothing happened)
             self.express_key = None
@@ -196,23 +253,22 @@ class ExpressPaths(Driving):
         if not took:
             self.express_key = None
             return NOT_EXPRESS
+        nbytes = arr.nbytes
         resp: Response | None = None
         plane = False  # an op too large for a data round: a plane round
         try:
-            if self._may_post(op, arr.nbytes, plane=True):
-                live = cache.live[cid]
-                sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, live)
-                data = max(sizes) <= self.board_data and (
-                    op != ALLREDUCE or arr.nbytes <= self.round_budget
+            if self._may_post(op, nbytes, plane=True):
+                plane = lane.most > self.board_data or (
+                    op == ALLREDUCE and nbytes > self.round_budget
                 )
-                plane = not data
-                resp = live  # (set last: nothing after it can raise)
+                resp = lane.resp  # (set last: nothing after it can raise)
         finally:
             if resp is None:  # it does not qualify after all (or a check raised)
                 self.express_key = None
-                self.drive.release()
+                drive.release()
         if resp is None:
             return NOT_EXPRESS
+        cid = lane.cid
         if out is None and op != ALLGATHER:
             out = pool.POOL.empty(arr.shape, arr.dtype)
         e: Entry | None = None
@@ -222,24 +278,22 @@ class ExpressPaths(Driving):
             # (a large op's peers may still be busy with the previous one, which took about
             # as long: waiting here beats handing over to the engine thread and back)
             began = time.perf_counter()
-            deadline = began + self.spin_s + arr.nbytes * WAIT_PER_BYTE_S
+            deadline = began + self.spin_s + nbytes * WAIT_PER_BYTE_S
             if plane and self._napping:  # (twice as long as the last one took, a byte)
-                self._stretch_lease(self.spin_s + 2 * arr.nbytes * self._plane_s_per_byte)
+                self._stretch_lease(self.spin_s + 2 * nbytes * self._plane_s_per_byte)
             tag, outk = self._post_lone(cid, resp, arr, np_alloc, plane)
             self.stats["express"] += 1
             ready = self._await_posts(deadline)
             if ready:
                 posts = board.read()
-                if decide([(None, resp)], [cid], tag, posts, sizes) == (
-                    "plane" if plane else "data"
-                ):
+                if decide_lone(cid, op, tag, posts, lane.sizes) == ("plane" if plane else "data"):
                     board.open = False
                     if plane:
                         result = self._express_plane(resp, arr, out)
                         spent = time.perf_counter() - began  # (with the wait for the posts)
-                        self._plane_s_per_byte = spent / (arr.nbytes or 1)
+                        self._plane_s_per_byte = spent / (nbytes or 1)
                     else:
-                        result = self._express_result(op, resp, arr, out, posts, outk)
+                        result = self._express_result(lane, arr, out, posts, outk)
                     self.express_key = None
                     self._leave(True)
                     return result
@@ -258,6 +312,26 @@ class ExpressPaths(Driving):
             return e.handle.wait()[0]
         self._drive(e.handle)
         return e.handle.wait()[0]
+
+    def _lane(self, op: int, name: str, arr: np.ndarray, reduce_op: int, root: int) -> Lane | None:
+        """The lane of a call whose op is cached with this request (kept for the next calls),
+        or None: not cached (so not for the express way)."""
+        code = CODE_OF.get(arr.dtype)
+        if code is None:
+            return None
+        ss = self.sets[0]
+        cache = ss.cache
+        sig = (op, code, arr.shape, reduce_op, root, 1.0, 1.0, CPU_DEVICE, None)
+        cid = cache.lookup(name, sig, ss.set_rank)
+        if cid is None:
+            return None
+        resp = cache.live[cid]
+        sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, resp)
+        lanes = self._lanes
+        if len(lanes) >= MAX_LANES:
+            lanes.clear()
+        lane = lanes[name] = Lane(op, cid, resp, arr, reduce_op, root, sizes, self.size)
+        return lane
 
     def _express_entry(
         self,
@@ -291,23 +365,28 @@ class ExpressPaths(Driving):
         return e
 
     def _express_result(
-        self,
-        op: int,
-        resp: Response,
-        arr: np.ndarray,
-        out: Any,
-        posts: list[tuple],
-        outk: int,
+        self, lane: Lane, arr: np.ndarray, out: Any, posts: list[tuple], outk: int
     ) -> np.ndarray:
         """An express call's result from its data round's ``posts`` (``outk``: this rank's
         output slot holding its block of an allgather, or -1), as ``_run_round`` computes it
         (the same bits)."""
-        me, n = self.rank, self.size
         stats = self.stats
         stats["rounds_run"] += 1
         stats["data_rounds"] += 1
         stats["responses"] += 1
         stats["responses_run_by_caller"] += 1
+        op = lane.op
+        fold_into = lane.fold
+        if fold_into is not None:  # two ranks' allreduce: one ufunc, rank 0's part first
+            stats["eager_responses"] += 1
+            peer = np.frombuffer(posts[0][3], lane.dtype, lane.count)
+            if self.rank == 0:
+                fold_into(arr.ravel(), peer, out=out.ravel())
+            else:
+                fold_into(peer, arr.ravel(), out=out.ravel())
+            return out  # type: ignore[no-any-return]
+        me, n = self.rank, self.size
+        resp = lane.resp
         data: list[Any] = [None] * n
         outs = [-1] * n
         for r, _, _, d, o in posts:
@@ -323,11 +402,7 @@ class ExpressPaths(Driving):
         stats["eager_responses"] += 1
         mine = arr.reshape(-1)
         parts = [mine if d is None else np.frombuffer(d, mine.dtype, mine.size) for d in data]
-        flat = out.reshape(-1)
-        if one_fold(resp, n):
-            ops.UFUNCS[resp.reduce_op](parts[0], parts[1], out=flat)
-        else:
-            np.copyto(flat, fold(parts, resp, n))
+        np.copyto(out.reshape(-1), fold(parts, resp, n))
         return out  # type: ignore[no-any-return]
 
     def _express_plane(self, resp: Response, arr: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -474,6 +474,22 @@ def decide(
     return "data" if ok else "fallback"
 
 
+def decide_lone(cid: int, op: int, tag: int, posts: list[tuple], sizes: Sequence[int]) -> str:
+    """``decide`` for one op (id ``cid``, ``op``) alone in its round, ``sizes`` the bytes each
+    rank posts for it: the same answer, without the lists (an express call's check)."""
+    if tag & 1:
+        for _, t, c, _, _ in posts:
+            if t != tag or len(c) != 1 or c[0] != cid:
+                return "fallback"
+        return "plane"
+    for r, t, c, d, out in posts:
+        if t & 1 or len(c) != 1 or c[0] != cid:
+            return "fallback"
+        if d.nbytes != sizes[r] and not (out >= 0 and op == ALLGATHER and d.nbytes == 0):
+            return "fallback"
+    return "data"
+
+
 def posted_bytes(resp: Response, r: int) -> int:
     """Bytes that rank ``r`` posts for cached op ``resp`` (one tensor) in a data round."""
     shape = resp.shapes[0]

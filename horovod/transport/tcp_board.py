@@ -33,6 +33,8 @@ from horovod.common.exceptions import TransportError
 from horovod.transport.base import PeerBoard
 
 HEADER = struct.Struct("<qqqq")  # round, cache ids, data bytes, tag
+HEADER_ONE = struct.Struct("<qqqqq")  # ... and the one cache id of a lone op's post
+ID = struct.Struct("<q")
 MAX_RANKS = 8  # peer rounds over TCP in jobs of at most this many ranks (each posts to all)
 DATA_BYTES = 256 * 1024  # data of one post
 MAX_IDS = 504  # cache ids of one post
@@ -178,6 +180,19 @@ class TcpBoard(PeerBoard):
             buf = p.bufs[n & 1]
             if len(buf) < need:  # (a new buffer: a view of the old one may be alive)
                 buf = p.bufs[n & 1] = bytearray(max(need, 2 * len(buf)))
+            if nids == 1 and p.have == HEADER.size + need:
+                # A lone op's post, whole and alone in the stage (every small express call's):
+                # taken in one step.
+                buf[:nbytes] = stage[HEADER_ONE.size : p.have]
+                p.posts[n & 1] = (
+                    n,
+                    tag,
+                    [ID.unpack_from(stage, HEADER.size)[0]],
+                    memoryview(buf)[:nbytes],
+                )
+                p.latest = n
+                p.have = 0
+                return True
             take = min(need, p.have - HEADER.size)
             end = HEADER.size + take
             buf[:take] = stage[HEADER.size : end]
@@ -264,10 +279,16 @@ class TcpBoard(PeerBoard):
         """Post round ``n + 1`` to every peer: ``cids`` (empty: nothing to run), their data
         ``parts`` in order, and ``tag``."""
         n = self.n + 1
-        nbytes = sum(mv.nbytes for mv in parts)
-        head = HEADER.pack(n, len(cids), nbytes, tag)
-        if cids:
-            head += array("q", cids).tobytes()
+        nbytes = 0
+        for mv in parts:
+            nbytes += mv.nbytes
+        k = len(cids)
+        if k == 1:  # (a lone op: every small express call)
+            head = HEADER_ONE.pack(n, 1, nbytes, tag, cids[0])
+        else:
+            head = HEADER.pack(n, k, nbytes, tag)
+            if k:
+                head += array("q", cids).tobytes()
         msg: list[bytes | memoryview] = [head, *parts]
         total = len(head) + nbytes
         with self._send_lock:
@@ -295,7 +316,10 @@ class TcpBoard(PeerBoard):
     def flush(self) -> None:
         """Send what the backlogs hold, as far as the sockets take it now (rank 0's only once
         the others are empty); any thread may call this."""
-        if not any(p.backlog for p in self.peers):
+        for p in self.peers:
+            if p.backlog:
+                break
+        else:
             return
         with self._send_lock:
             held = False

@@ -308,8 +308,11 @@ class PolledTcpTransport(PolledTransport):
     def ctrl_idle(self) -> bool:
         # (a poll object kept for this: the thread holding ``drive`` asks before every
         # express call, and building one each time cost a quarter of a 4-byte allreduce)
-        if self._pending or any(len(b) >= FRAME.size for b in self._bufs.values()):
+        if self._pending:
             return False
+        for b in self._bufs.values():
+            if len(b) >= FRAME.size:
+                return False
         try:
             return not self._idle_poller.poll(0)
         except (OSError, ValueError):

@@ -123,7 +123,10 @@ class Board(PeerBoard):
         head[2] = off
         head[3] = tag
         head[4] = out + 1
-        head[8 : 8 + k] = memoryview(array("q", cids))
+        if k == 1:  # (a lone op: every small express call)
+            head[8] = cids[0]
+        else:
+            head[8 : 8 + k] = memoryview(array("q", cids))
         head[0] = n
         self.n = n
         self.open = True
