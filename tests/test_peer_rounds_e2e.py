@@ -245,7 +245,7 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
     larger ones and alltoall/reducescatter run on the data plane after the round, mixed with
     first calls that rank 0 negotiates. Every output must equal what rank 0's lists give."""
     script = """
-        import hashlib, numpy as np, horovod.numpy as hvd
+        import hashlib, ml_dtypes, numpy as np, horovod.numpy as hvd
         from horovod.core.context import current
         hvd.init()
         r, n = hvd.rank(), hvd.size()
@@ -257,6 +257,10 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
             v = step * 10 + r
             note(hvd.allgather(np.full((r + 1, 3), v, np.int32), name="ag"))  # rows per rank
             note(hvd.allgather(np.full((r + 1, 100_000), v, np.float32), name="ag_big"))
+            # dtypes without a buffer format, and a rank with no rows
+            note(hvd.allgather(np.full((r + 1, 2), v, ml_dtypes.bfloat16), name="ag_bf"))
+            note(hvd.broadcast(np.full(3, v, ml_dtypes.bfloat16), n - 1, name="bc_bf"))
+            note(hvd.allgather(np.full((r % 2, 3), v, np.int32), name="ag_none"))
             for root in range(n):
                 note(hvd.broadcast(np.full(5, v, np.float64), root, name=f"bc{root}"))
             note(hvd.broadcast(np.arange(400_000, dtype=np.float32) + v, n - 1, name="bc_big"))
@@ -284,8 +288,8 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
         digests[mode] = sorted((int(rank), d) for rank, d, _ in found)
         rounds = [int(k) for _, _, k in found]
         if mode == "rounds":
-            # 3 cached steps of 9 + n ops, all of them in rounds (none went to rank 0).
-            assert all(k >= 3 * (9 + np_) for k in rounds), found
+            # 3 cached steps of 12 + n ops, all of them in rounds (none went to rank 0).
+            assert all(k >= 3 * (12 + np_) for k in rounds), found
         else:
             assert rounds == [0] * np_, found
     assert digests["rounds"] == digests["rank 0"]

@@ -64,6 +64,8 @@ class Lane:
         "most",
         "count",
         "fold",
+        "starts",
+        "gathered",
     )
 
     def __init__(
@@ -85,6 +87,12 @@ class Lane:
         self.fold = (
             ops.UFUNCS[resp.reduce_op] if op == ALLREDUCE and one_fold(resp, nranks) else None
         )
+        # An allgather's result: where each rank's block starts (bytes), and its shape.
+        self.starts = [sum(sizes[:r]) for r in range(nranks)]
+        self.gathered: tuple[int, ...] = ()
+        if op == ALLGATHER:
+            assert resp.dim0s is not None
+            self.gathered = (sum(resp.dim0s[0]),) + tuple(resp.shapes[0][1:])
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
@@ -385,7 +393,31 @@ class ExpressPaths(Driving):
             else:
                 fold_into(peer, arr.ravel(), out=out.ravel())
             return out  # type: ignore[no-any-return]
-        me, n = self.rank, self.size
+        me = self.rank
+        if op == BROADCAST:
+            root = lane.root
+            if root != me:
+                for r, _, _, d, _ in posts:
+                    if r == root:
+                        byte_view(out)[:] = d
+            elif out is not arr:
+                np.copyto(out, arr)
+            return out  # type: ignore[no-any-return]
+        if op == ALLGATHER and outk < 0:
+            for post in posts:
+                if post[4] >= 0:
+                    break  # (a peer's block in its output slot: below)
+            else:
+                res = np_alloc(lane.gathered, lane.dtype)
+                flat = byte_view(res)
+                starts, sizes = lane.starts, lane.sizes
+                at = starts[me]
+                flat[at : at + sizes[me]] = byte_view(arr)
+                for r, _, _, d, _ in posts:
+                    at = starts[r]
+                    flat[at : at + sizes[r]] = d
+                return res
+        n = self.size
         resp = lane.resp
         data: list[Any] = [None] * n
         outs = [-1] * n
@@ -397,8 +429,6 @@ class ExpressPaths(Driving):
             res = self._gathered(resp, arr, np_alloc, data, [0] * n, outs)
             self._out_done(outs)
             return res
-        if op == BROADCAST:
-            return self._broadcasted(resp, arr, out, data, [0] * n)
         stats["eager_responses"] += 1
         mine = arr.reshape(-1)
         parts = [mine if d is None else np.frombuffer(d, mine.dtype, mine.size) for d in data]
