@@ -1527,17 +1527,18 @@ def test_round_decisions_need_the_same_ops_kind_bytes_and_list_count():
 
 def test_the_allreduce_budget_of_a_data_round_shrinks_with_the_ranks():
     """Every rank reads every other's post of an allreduce's data round: one post's room on
-    the board over the other ranks, over more than 2 no more than the direct exchange's
-    threshold (same bits as the plane), the eager budget as a floor (the board's room as a
-    ceiling), and none at all when it is 0."""
+    the board over the other ranks, over more than 2 no more than the data plane reduces in
+    rank order (same bits as the plane: its direct exchange, then its ordered reduction), the
+    eager budget as a floor (the board's room as a ceiling), and none at all when it is 0."""
     from horovod.collectives import algorithms as alg
     from horovod.core.engine_state import round_allreduce_budget
 
-    shm, tcp, small = 1 << 20, 256 << 10, alg.SMALL_BYTES
+    shm, tcp, ordered = 1 << 20, 256 << 10, alg.ORDERED_BYTES
     assert round_allreduce_budget(16384, 2, shm) == shm
     assert round_allreduce_budget(16384, 2, tcp) == tcp
-    assert round_allreduce_budget(16384, 3, shm) == small
-    assert round_allreduce_budget(16384, 3, tcp) == min(tcp // 2, small)
+    assert round_allreduce_budget(16384, 3, shm) == min(shm // 2, ordered)
+    assert round_allreduce_budget(16384, 4, shm) == shm // 3
+    assert round_allreduce_budget(16384, 3, tcp) == tcp // 2
     assert round_allreduce_budget(16384, 8, tcp) == tcp // 7
     assert round_allreduce_budget(16384, 64, tcp) == 16384  # the eager budget is the floor
     assert round_allreduce_budget(4 << 20, 3, shm) == shm  # ... and the board the ceiling

@@ -20,7 +20,14 @@ from horovod.testing import run_ranks
 
 FLOATS = [np.float32, np.float16, np.float64, ml_dtypes.bfloat16]
 INTS = [np.int32, np.int64]
-SMALL, LARGE = 1000, 70_000  # elements: direct algorithm / ring (above 128 KiB in every dtype)
+SMALL = 1000  # elements: the direct algorithm in every dtype
+
+
+def sizes_of(dtype) -> dict[str, int]:
+    """Elements per rank for each algorithm over more than 2 ranks: the direct exchange (up
+    to 128 KiB), the rank-order reduction (up to 512 KiB) and the ring."""
+    item = np.dtype(dtype).itemsize
+    return {"direct": SMALL, "ordered": (256 << 10) // item, "ring": (640 << 10) // item}
 
 
 def exact_data(rank: int, size: int, dtype, seed: int = 0) -> np.ndarray:
@@ -64,7 +71,7 @@ def rank_order_sum(parts: list[np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("n", [3, 4, 5])  # 4: a power of two multiplies by the exact 1/n
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 def test_average_is_the_correctly_rounded_quotient_on_every_algorithm(n, dtype):
-    sizes = {"direct": SMALL, "ring": LARGE}
+    sizes = sizes_of(dtype)
 
     def body(rank):
         out = {}
@@ -88,6 +95,35 @@ def test_average_is_the_correctly_rounded_quotient_on_every_algorithm(n, dtype):
             grouped = [a.tobytes() for a in got[path + ".grouped"]]
             assert grouped == [want[:7].tobytes(), want.tobytes(), want[:3].tobytes()]
             assert got[path + ".rs"].tobytes() == want[bounds[rank] : bounds[rank + 1]].tobytes()
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_mid_size_allreduces_fold_in_rank_order_like_a_peer_round(n):
+    """From the ring threshold up to ``ORDERED_BYTES`` over more than 2 ranks, the data plane
+    reduces each element in rank order (segments go straight to their owner, which folds
+    them): on random float32 data, which is not exactly summable, a Sum is bit for bit the
+    rank-order sum and an Average its correctly rounded quotient, the bits a peer round's
+    data round computes. Sizes that do not split evenly over the ranks included; the ring
+    above it still adds in its own order (the comparison is for the ordered range only)."""
+    from horovod.collectives import algorithms as alg
+
+    sizes = [40_001, 70_000, alg.ORDERED_BYTES // 4]
+
+    def body(rank):
+        out = []
+        for size in sizes:
+            x = random_data(rank, size, np.float32, seed=size)
+            out.append(hvd.allreduce(x, op=hvd.Sum, name=f"sum.{size}"))
+            out.append(hvd.allreduce(x, op=hvd.Average, name=f"avg.{size}"))
+        return out
+
+    results = run_ranks(body, n)
+    for k, size in enumerate(sizes):
+        total = rank_order_sum([random_data(r, size, np.float32, seed=size) for r in range(n)])
+        mean = correctly_rounded_quotient(total, n)
+        for rank, got in enumerate(results):
+            assert got[2 * k].tobytes() == total.tobytes(), (size, rank)
+            assert got[2 * k + 1].tobytes() == mean.tobytes(), (size, rank)
 
 
 def test_average_matches_torch_div():

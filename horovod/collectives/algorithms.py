@@ -27,6 +27,9 @@ import numpy as np
 from horovod.transport.base import Reducer, Scratch, SubTransport, as_bytes
 
 SMALL_BYTES = 128 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
+# Over more than 2 ranks, allreduces from SMALL_BYTES up to this are reduced in rank order
+# (``_allreduce_ordered``): the ring's traffic, and the bits of a peer round's fold.
+ORDERED_BYTES = 512 * 1024
 PIPELINE_BYTES = 1 << 20  # block size of the pipelined chain broadcast
 # HOROVOD_HIERARCHICAL_ALLREDUCE / _ALLGATHER, set at hvd.init() (the same on every rank).
 HIERARCHICAL_ALLREDUCE = False
@@ -188,6 +191,8 @@ def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: Post = 1.
         else:
             _allreduce_direct(t, buf, op, scratch)
         scale(buf, post)
+    elif n > 2 and buf.nbytes <= ORDERED_BYTES:
+        _allreduce_ordered(t, buf, op, scratch, post)
     else:
         counts = split_even(buf.size, n)
         _reduce_scatter_ring(t, buf, counts, op, scratch, post)
@@ -219,6 +224,38 @@ def _allreduce_direct(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None
         for part in parts[1:]:
             op(acc, part, out=acc)
         np.copyto(buf, acc)
+
+
+def _allreduce_ordered(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: Post) -> None:
+    """Over more than 2 ranks: segment r of every rank's data goes straight to rank r, which
+    folds the segments in rank order and scales the result, then every rank sends its segment
+    to every other. Each rank moves what the ring moves (2(n-1)/n of the buffer) in two steps
+    instead of 2(n-1), and every element is the fold of the ranks' data in rank order: the
+    bits of ``_allreduce_direct`` and of a peer round's data round (numerics.fold), so a
+    cached op gives the same result whichever way it runs."""
+    n, me = t.size, t.rank
+    counts = split_even(buf.size, n)
+    offs = _offsets(counts)
+    seg = [buf[offs[r] : offs[r] + counts[r]] for r in range(n)]
+    mine = seg[me]
+    peers = [p for p in range(n) if p != me]
+    theirs = scratch.get(mine.nbytes * (n - 1), buf.dtype).reshape(n - 1, mine.size)
+    t.exchange(
+        [(p, as_bytes(seg[p])) for p in peers],
+        [(p, as_bytes(theirs[i])) for i, p in enumerate(peers)],
+    )
+    parts = [theirs[i] for i in range(me)] + [mine] + [theirs[i] for i in range(me, n - 1)]
+    # (into this rank's segment from the first step on where that is one of the first two
+    # parts: element by element, reading it while writing it is safe; a later rank's
+    # segment is still to be read, so its fold goes through rank 0's part, then a copy)
+    acc = mine if me < 2 else parts[0]
+    op(parts[0], parts[1], out=acc)
+    for part in parts[2:]:
+        op(acc, part, out=acc)
+    if acc is not mine:
+        np.copyto(mine, acc)
+    scale(mine, post)
+    t.exchange([(p, as_bytes(mine)) for p in peers], [(p, as_bytes(seg[p])) for p in peers])
 
 
 def _allreduce_recursive_doubling(t, buf: np.ndarray, op: Reducer, scratch: Scratch) -> None:

@@ -362,8 +362,9 @@ class Config:
         "HOROVOD_RING_THRESHOLD_BYTES",
         128 * 1024,
         "Allreduce/allgather/broadcast payloads above this use the bandwidth-optimal ring or "
-        "pipelined chain; at or below, latency-optimal direct exchange / recursive doubling / "
-        "binomial tree.",
+        "pipelined chain (allreduces over more than 2 ranks up to 512 KiB: the ordered "
+        "reduction, which combines in rank order); at or below, latency-optimal direct "
+        "exchange / recursive doubling / binomial tree.",
         minimum=0,
     )
     rendezvous_addr: str = _knob(

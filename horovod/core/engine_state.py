@@ -47,11 +47,12 @@ def round_allreduce_budget(
     rank reads every other's post and folds them itself, so what it reads is bounded by one
     post's room on the board (``board_bytes``: 1 MiB in shared memory, 256 KiB where posts
     travel over TCP) over the other ranks; over more than 2 ranks no more than the data
-    plane's direct exchange takes (its larger algorithms combine in another order, so an op
-    gives the same bits either way). At least the eager budget (HOROVOD_EAGER_ALLREDUCE_BYTES),
-    whose 0 turns data rounds for allreduces off as it turns the eager path off. Measured on 2
-    ranks, a data round beats the data plane's exchange up to the board's room (1.3-1.8x at
-    64 KiB-1 MiB in shared memory, 1.2-1.6x at 64-256 KiB over TCP: benchmarks.md). Without
+    plane reduces in rank order (its direct exchange, then ``ORDERED_BYTES``; the ring above
+    combines in another order, so an op gives the same bits either way). At least the eager
+    budget (HOROVOD_EAGER_ALLREDUCE_BYTES), whose 0 turns data rounds for allreduces off as it
+    turns the eager path off. Measured on 2 ranks, a data round beats the data plane's
+    exchange up to the board's room (1.3-1.8x at 64 KiB-1 MiB in shared memory, 1.2-1.6x at
+    64-256 KiB over TCP: benchmarks.md). Without
     ``large`` (ranks on several hosts: posts cross the hosts' link once per pair of ranks, far
     more often than a hierarchical allreduce's data does; or MPI's collectives asked for over
     more than two ranks), the eager budget alone."""
@@ -59,7 +60,7 @@ def round_allreduce_budget(
         return 0
     auto = board_bytes // max(1, size - 1) if large else 0
     if size > 2:
-        auto = min(auto, alg.SMALL_BYTES)
+        auto = min(auto, max(alg.SMALL_BYTES, alg.ORDERED_BYTES))
     return min(max(eager_bytes, auto), board_bytes)
 
 
