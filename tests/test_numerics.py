@@ -126,6 +126,30 @@ def test_mid_size_allreduces_fold_in_rank_order_like_a_peer_round(n):
             assert got[2 * k + 1].tobytes() == mean.tobytes(), (size, rank)
 
 
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("size", [3, 1000])  # (3 < n too: the data plane pairs those up too)
+def test_folds_outside_the_data_plane_pair_up_where_it_does(n, size):
+    """At a power of two above 2 the data plane's small allreduce is recursive doubling, which
+    combines pair by pair ((0, 1), (2, 3), then the pairs): the fold of rank 0's eager path
+    and of the peer rounds (``numerics.fold``) must give its bits, on random float32 data
+    (not exactly summable), for Sum, Min and Average."""
+    from horovod.common.dtypes import CODE_OF
+    from horovod.core.messages import ALLREDUCE, AVERAGE, MIN, SUM, Response
+    from horovod.core.numerics import fold
+
+    def body(rank):
+        x = random_data(rank, size, np.float32, seed=n)
+        return [hvd.allreduce(x, op=op, name=f"p{op}") for op in (hvd.Sum, hvd.Min, hvd.Average)]
+
+    results = run_ranks(body, n)
+    parts = [random_data(r, size, np.float32, seed=n) for r in range(n)]
+    for k, op in enumerate((SUM, MIN, AVERAGE)):
+        resp = Response(ALLREDUCE, 0, ["x"], CODE_OF[np.dtype(np.float32)], [(size,)], op)
+        want = fold(parts, resp, n)
+        for rank, got in enumerate(results):
+            assert got[k].tobytes() == want.tobytes(), (op, rank)
+
+
 def test_average_matches_torch_div():
     """The issue's statement: at 3 ranks, Average equals torch.div(sum, n)."""
     torch = pytest.importorskip("torch")

@@ -110,8 +110,9 @@ def _run_on(plane: str, np_: int, script: str, env: dict):
     return run_script(script, np_=np_, env=env, timeout=120, launcher_args=hosts)
 
 
-# (not 4 ranks: the data plane's small allreduce is recursive doubling there, another order)
-@pytest.mark.parametrize(("np_", "plane"), [c for c in PLANE_CASES if c[0] < 4])
+# (4 ranks: the data plane's small allreduce is recursive doubling there, which the folds of
+# rank 0's eager path and of the data rounds follow, pair by pair)
+@pytest.mark.parametrize(("np_", "plane"), PLANE_CASES)
 def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane):
     """Small cached allreduces (every dtype and reduce op, scale factors, Average, integer
     truncation, a grouped op) run as peer rounds by default (the synchronous ones without

@@ -1,8 +1,9 @@
 """The data plane's reduction numerics, for reductions done outside the data plane.
 
 The coordinator's eager allreduce and the peer rounds fold every rank's part themselves; they
-must give the same bits as the data plane's algorithms: prescale, fold in rank order, postscale
-(Average divides by the set's size, correctly rounded), integers truncated. Pure functions of arrays.
+must give the same bits as the data plane's algorithms: prescale, fold in rank order (pair by
+pair where the data plane's recursive doubling runs), postscale (Average divides by the set's
+size, correctly rounded), integers truncated. Pure functions of arrays.
 
 Must not touch: transports, the engine's state.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from horovod.collectives import algorithms as alg
 from horovod.collectives.algorithms import average_post
 from horovod.core import ops
 from horovod.core.messages import (
@@ -32,12 +34,28 @@ def fold(parts: list[np.ndarray], resp: Response, nranks: int) -> np.ndarray:
             ops.scale(p, pre)
     if len(parts) == 1:
         acc = parts[0].copy()
+    elif in_pairs(len(parts), parts[0]):
+        # the data plane's recursive doubling: ((0, 1), (2, 3)), ... pair by pair
+        level = [reducer(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        while len(level) > 1:
+            level = [reducer(level[i], level[i + 1], out=level[i]) for i in range(0, len(level), 2)]
+        acc = level[0]
     else:
         acc = reducer(parts[0], parts[1])
         for p in parts[2:]:
             reducer(acc, p, out=acc)
     ops.scale(acc, post)
     return acc
+
+
+def in_pairs(nranks: int, part: np.ndarray) -> bool:
+    """Does the data plane combine ``nranks`` parts like ``part`` pair by pair (recursive
+    doubling: a power of two above 2, up to the ring threshold), not in rank order?"""
+    return (
+        nranks > 2
+        and nranks & (nranks - 1) == 0
+        and (part.nbytes <= alg.SMALL_BYTES or part.size < nranks)
+    )
 
 
 def one_fold(resp: Response, nranks: int) -> bool:
