@@ -151,8 +151,14 @@ def pair() -> None:
     assert engine.round_budget == 1 << 20, engine.round_budget
     world = MPI.COMM_WORLD
     rng = np.random.default_rng(5 + r)
-    cases = [(np.float32, hvd.Sum), (np.float64, hvd.Sum), (np.float16, hvd.Sum),
-             (np.float32, hvd.Min), (np.int32, hvd.Max), (np.float64, hvd.Product)]
+    cases = [
+        (np.float32, hvd.Sum),
+        (np.float64, hvd.Sum),
+        (np.float16, hvd.Sum),
+        (np.float32, hvd.Min),
+        (np.int32, hvd.Max),
+        (np.float64, hvd.Product),
+    ]
     ops = {hvd.Sum: MPI.SUM, hvd.Min: MPI.MIN, hvd.Max: MPI.MAX, hvd.Product: MPI.PROD}
     for step in range(3):  # the second and third calls hit the response cache
         for i, (dt, op) in enumerate(cases):

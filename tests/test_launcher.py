@@ -345,7 +345,9 @@ def test_rounds_benchmark_times_both_ways_of_a_cached_op_as_asked():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 ranks, shm (board room 1 MiB" in r.stdout, r.stdout
-    rows = [line.strip("|").split("|") for line in r.stdout.splitlines() if line.startswith("| all")]
+    rows = [
+        line.strip("|").split("|") for line in r.stdout.splitlines() if line.startswith("| all")
+    ]
     rows += [line.strip("|").split("|") for line in r.stdout.splitlines() if "| broadcast" in line]
     got = {(c[0].strip(), c[1].strip()): c for c in rows}
     # 2 MiB: only the allgather's posts (1 MiB a rank) fit the board

@@ -728,7 +728,9 @@ def test_a_large_broadcast_that_every_rank_reads_by_single_copy_is_a_star(monkey
                 ok.append(bool(np.array_equal(buf, want)))
                 # the root posts one descriptor to each receiver; receivers send nothing
                 moved = {p: c.count - sent[p] for p, c in t._out.items()}
-                ok.append(moved == ({p: 1 for p in moved} if r == root else dict.fromkeys(moved, 0)))
+                ok.append(
+                    moved == ({p: 1 for p in moved} if r == root else dict.fromkeys(moved, 0))
+                )
                 if r == root:
                     buf[:] = 0  # the root may change its buffer at once
             return threading.get_ident(), all(ok)
