@@ -245,15 +245,17 @@ def _allreduce_ordered(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: 
         [(p, as_bytes(theirs[i])) for i, p in enumerate(peers)],
     )
     parts = [theirs[i] for i in range(me)] + [mine] + [theirs[i] for i in range(me, n - 1)]
-    # (into this rank's segment from the first step on where that is one of the first two
-    # parts: element by element, reading it while writing it is safe; a later rank's
-    # segment is still to be read, so its fold goes through rank 0's part, then a copy)
-    acc = mine if me < 2 else parts[0]
-    op(parts[0], parts[1], out=acc)
-    for part in parts[2:]:
-        op(acc, part, out=acc)
-    if acc is not mine:
-        np.copyto(mine, acc)
+    # Into this rank's segment as soon as it is one of the parts folded (element by element,
+    # reading it while writing it is safe); the parts before it fold into rank 0's copy.
+    if me < 2:
+        op(parts[0], parts[1], out=mine)
+    else:
+        acc = parts[0]
+        for part in parts[1:me]:
+            op(acc, part, out=acc)
+        op(acc, mine, out=mine)
+    for part in parts[max(2, me + 1) :]:
+        op(mine, part, out=mine)
     scale(mine, post)
     t.exchange([(p, as_bytes(mine)) for p in peers], [(p, as_bytes(seg[p])) for p in peers])
 
