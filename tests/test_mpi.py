@@ -1,16 +1,19 @@
-"""MPI: jobs under a real ``mpirun`` (Open MPI from PyPI: ``pip install 'pyhorovod[mpi]'``), the
-MPI data plane, ``hvd.init(comm=...)``, process sets from communicators, hierarchical
-operations on MPI, ``horovodrun --mpi`` and its errors. The jobs are ``tests/mpi_worker.py``
-scenarios, which check their results against formulas; each test here is one mpirun."""
+"""MPI: jobs under a real ``mpirun`` (Open MPI from PyPI: ``pip install 'pyhorovod[mpi]'``; and
+MPICH, from PyPI too, in a venv of its own: ``.venv-mpich``, made by ``.ci/setup``), the MPI
+data plane, ``hvd.init(comm=...)``, process sets from communicators, hierarchical operations on
+MPI, ``horovodrun --mpi`` and its errors. The jobs are ``tests/mpi_worker.py`` scenarios, which
+check their results against formulas; each test here is one mpirun, under each MPI present."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,78 +31,111 @@ needs_mpi = pytest.mark.skipif(
     reason="MPI is not installed here (pip install 'pyhorovod[mpi]': Open MPI and mpi4py)",
 )
 AS_ROOT = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
+# MPICH (Hydra's mpirun) with the mpi4py that loads it: a venv of its own, since the MPI that
+# mpi4py loads is the one installed beside it (``.ci/setup``: pip install mpi4py mpich -e .).
+MPICH_BIN = ROOT / ".venv-mpich" / "bin"
+HAVE_MPICH = (MPICH_BIN / "mpirun").exists() and (MPICH_BIN / "python").exists()
+needs_mpich = pytest.mark.skipif(
+    not HAVE_MPICH,
+    reason="MPICH is not installed here (.ci/setup makes .venv-mpich: pip install mpi4py mpich)",
+)
+# The jobs below run under every MPI present.
+IMPLS = [pytest.param("openmpi", marks=needs_mpi), pytest.param("mpich", marks=needs_mpich)]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_segments_left_behind():
-    """Jobs these tests abort (a dying rank, the watchdog's MPI_Abort) leave Open MPI's
-    shared-memory segments in /dev/shm: remove the ones this module's jobs made."""
-    shm = Path("/dev/shm")
-    before = set(shm.glob("sm_segment.*")) if shm.is_dir() else set()
+    """Jobs these tests abort (a dying rank, the watchdog's MPI_Abort) leave the MPI's
+    shared-memory segments in /dev/shm (Open MPI's, MPICH's) and Hydra's topology files in the
+    temporary directory: remove the ones this module's jobs made."""
+    shm, tmp = Path("/dev/shm"), Path(tempfile.gettempdir())
+    patterns = [(shm, "sm_segment.*"), (shm, "mpich_shm_*"), (tmp, "hydra_hwloc_xmlfile_*")]
+
+    def segments() -> set[Path]:
+        return {p for d, pattern in patterns if d.is_dir() for p in d.glob(pattern)}
+
+    before = segments()
     yield
-    if shm.is_dir():
-        for path in set(shm.glob("sm_segment.*")) - before:
-            path.unlink(missing_ok=True)
+    for path in segments() - before:
+        path.unlink(missing_ok=True)
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMIX"))}
+def _env(impl: str = "openmpi", **extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HOROVOD_", "OMPI_", "PMIX", "PMI_", "HYDRA_"))
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    if impl == "mpich":  # (its mpirun, and its venv's python, come first)
+        env["PATH"] = os.pathsep.join([str(MPICH_BIN), env.get("PATH", "")])
     env.update(extra)
     return env
 
 
-def mpirun(scenario: str, np_: int, *args: str, timeout: float = 120, **env: str):
-    """Run ``tests/mpi_worker.py scenario`` under mpirun; the variables in ``env`` are set on
-    every rank."""
-    exports = [a for k in ["PYTHONPATH", *env] for a in ("-x", k)]
-    argv = [MPIRUN, *AS_ROOT, "--oversubscribe", "-np", str(np_), *exports]
-    argv += [sys.executable, str(HERE / "mpi_worker.py"), scenario, *args]
+def _python(impl: str) -> str:
+    """The Python whose mpi4py loads ``impl``."""
+    return str(MPICH_BIN / "python") if impl == "mpich" else sys.executable
+
+
+def mpirun(scenario: str, np_: int, *args: str, timeout: float = 120, impl: str = "openmpi", **env):
+    """Run ``tests/mpi_worker.py scenario`` under ``impl``'s mpirun; the variables in ``env``
+    are set on every rank (Hydra passes the whole environment; Open MPI is told which)."""
+    if impl == "mpich":
+        argv = [str(MPICH_BIN / "mpirun"), "-n", str(np_)]
+    else:
+        exports = [a for k in ["PYTHONPATH", *env] for a in ("-x", k)]
+        argv = [MPIRUN, *AS_ROOT, "--oversubscribe", "-np", str(np_), *exports]
+    argv += [_python(impl), str(HERE / "mpi_worker.py"), scenario, *args]
     return subprocess.run(
-        argv, env=_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+        argv, env=_env(impl, **env), capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
 def _ok(r: subprocess.CompletedProcess, n: int) -> None:
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    assert sorted(line for line in r.stdout.splitlines() if line.startswith("OK ")) == [
-        f"OK {k}" for k in range(n)
-    ], r.stdout
+    # (Hydra forwards the ranks' output unbuffered: two ranks' lines may share one)
+    assert sorted(re.findall(r"OK (\d+)", r.stdout), key=int) == [str(k) for k in range(n)], (
+        r.stdout
+    )
 
 
 # ---------------------------------------------------------------------------- jobs
-@needs_mpi
-def test_every_collective_runs_on_the_mpi_plane_and_the_timeline_names_it(tmp_path):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_every_collective_runs_on_the_mpi_plane_and_the_timeline_names_it(tmp_path, impl):
     timeline = tmp_path / "timeline.json"
-    r = mpirun("collectives", 3, HOROVOD_CPU_OPERATIONS="mpi", HOROVOD_TIMELINE=str(timeline))
+    r = mpirun(
+        "collectives", 3, impl=impl, HOROVOD_CPU_OPERATIONS="mpi", HOROVOD_TIMELINE=str(timeline)
+    )
     _ok(r, 3)
     events = json.loads(timeline.read_text())  # closed at shutdown: complete JSON
     names = {e.get("name") for e in events}
     assert {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST", "MPI_ALLTOALL"} <= names, names
 
 
-@needs_mpi
-def test_two_ranks_on_the_mpi_plane_take_data_rounds_with_mpis_bits():
-    _ok(mpirun("pair", 2, HOROVOD_CPU_OPERATIONS="mpi"), 2)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_two_ranks_on_the_mpi_plane_take_data_rounds_with_mpis_bits(impl):
+    _ok(mpirun("pair", 2, impl=impl, HOROVOD_CPU_OPERATIONS="mpi"), 2)
 
 
-@needs_mpi
-def test_plain_mpirun_starts_the_job_over_mpi_with_no_variables_set():
-    _ok(mpirun("plain", 2), 2)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plain_mpirun_starts_the_job_over_mpi_with_no_variables_set(impl):
+    _ok(mpirun("plain", 2, impl=impl), 2)
 
 
-@needs_mpi
-def test_init_on_user_communicators_beside_the_users_own_mpi_traffic():
-    _ok(mpirun("communicators", 4), 4)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_init_on_user_communicators_beside_the_users_own_mpi_traffic(impl):
+    _ok(mpirun("communicators", 4, impl=impl), 4)
 
 
-@needs_mpi
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layout", ["blocks", "interleaved"])
-def test_hierarchical_allreduce_and_allgather_on_mpi(layout):
+def test_hierarchical_allreduce_and_allgather_on_mpi(layout, impl):
     r = mpirun(
         "hierarchical",
         4,
         layout,
+        impl=impl,
         HOROVOD_CPU_OPERATIONS="mpi",
         HOROVOD_HIERARCHICAL_ALLREDUCE="1",
         HOROVOD_HIERARCHICAL_ALLGATHER="1",
@@ -108,24 +144,24 @@ def test_hierarchical_allreduce_and_allgather_on_mpi(layout):
     _ok(r, 4)
 
 
-@needs_mpi
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n", [2, 3])
-def test_the_mpi_plane_keeps_the_transport_contract(n):
-    _ok(mpirun("conformance", n), n)
+def test_the_mpi_plane_keeps_the_transport_contract(n, impl):
+    _ok(mpirun("conformance", n, impl=impl), n)
 
 
-@needs_mpi
-def test_a_rank_that_dies_ends_the_job_instead_of_hanging():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_rank_that_dies_ends_the_job_instead_of_hanging(impl):
     t0 = time.monotonic()
-    r = mpirun("lost", 2, HOROVOD_CPU_OPERATIONS="mpi", timeout=90)
+    r = mpirun("lost", 2, impl=impl, HOROVOD_CPU_OPERATIONS="mpi", timeout=90)
     assert r.returncode != 0 and "survived" not in r.stdout
     assert time.monotonic() - t0 < 60
 
 
-@needs_mpi
-def test_a_stuck_mpi_call_is_reported_and_ends_the_job_at_the_stall_shutdown():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_stuck_mpi_call_is_reported_and_ends_the_job_at_the_stall_shutdown(impl):
     t0 = time.monotonic()
-    r = mpirun("watchdog", 2, timeout=90)
+    r = mpirun("watchdog", 2, impl=impl, timeout=90)
     took = time.monotonic() - t0
     assert r.returncode != 0 and "did not end the job" not in r.stdout
     assert "MPI_BARRIER (test) has been in MPI" in r.stderr, r.stderr[-2000:]
@@ -149,8 +185,8 @@ def test_asking_for_mpi_without_mpirun_says_how_to_start_the_job():
 
 
 # ---------------------------------------------------------------------------- horovodrun --mpi
-@needs_mpi
-def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path, impl):
     script = tmp_path / "train.py"
     script.write_text(
         "import numpy as np, horovod.numpy as hvd\n"
@@ -160,22 +196,25 @@ def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path):
         "s = hvd.allreduce(np.ones(4) * (hvd.rank() + 1), op=hvd.Sum)\n"
         "print('rank', hvd.rank(), 'of', hvd.size(), t, s.tolist(), flush=True)\n"
     )
+    mpi_args = ["--mpi-args=--mca btl self,vader,tcp"] if impl == "openmpi" else []
     r = subprocess.run(
-        [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2"]
-        + ["--mpi-args=--mca btl self,vader,tcp", sys.executable, str(script)],
-        env=_env(),
+        [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2", *mpi_args]
+        + [_python(impl), str(script)],
+        env=_env(impl),
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    for k in range(2):  # Open MPI's --tag-output prefix, upstream's familiar one
-        assert f"[1,{k}]<stdout>: rank {k} of 2 MpiCollectives [3.0, 3.0, 3.0, 3.0]" in r.stdout
+    for k in range(2):  # Open MPI's --tag-output prefix (upstream's familiar one); under
+        # Hydra horovodrun's own (each rank's lines put back together: HydraOutput)
+        prefix = f"[1,{k}]<stdout>: " if impl == "openmpi" else f"[{k}]<stdout>:"
+        assert f"{prefix}rank {k} of 2 MpiCollectives [3.0, 3.0, 3.0, 3.0]\n" in r.stdout
 
 
-@needs_mpi
-def test_horovodrun_mpi_reports_a_failing_rank(tmp_path):
+@pytest.mark.parametrize("impl", IMPLS)
+def test_horovodrun_mpi_reports_a_failing_rank(tmp_path, impl):
     script = tmp_path / "fail.py"
     script.write_text(
         "import horovod.numpy as hvd\nhvd.init()\n"
@@ -183,8 +222,8 @@ def test_horovodrun_mpi_reports_a_failing_rank(tmp_path):
     )
     r = subprocess.run(
         [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2"]
-        + [sys.executable, str(script)],
-        env=_env(),
+        + [_python(impl), str(script)],
+        env=_env(impl),
         capture_output=True,
         text=True,
         timeout=120,
@@ -251,10 +290,52 @@ def test_the_mpirun_command_lines_for_open_mpi_and_mpich():
         ["--mca", "foo", "b c", "python", "train.py"],
     ):
         assert any(ompi[i : i + len(part)] == part for i in range(len(ompi))), (part, ompi)
-    hydra = mpi_run.command(mpi_run.MPICH, **common)
-    assert hydra[:7] == ["mpirun", "-l", "-np", "4", "-hosts", "a:2,b:2", "-bind-to"]
+    hydra = mpi_run.command(mpi_run.MPICH, **common)  # (output files: no labels)
+    assert hydra[:7] == ["mpirun", "-np", "4", "-hosts", "a:2,b:2", "-bind-to", "none"]
     assert "-genvlist" in hydra and "PATH,HOROVOD_CPU_OPERATIONS" in hydra
     assert hydra[-2:] == ["python", "train.py"] and "-iface" in hydra
+    assert "-outfile-pattern" in hydra
+    labelled = mpi_run.command(mpi_run.MPICH, **{**common, "output_dir": None})
+    assert labelled[:4] == ["mpirun", "-prepend-pattern", mpi_run.HYDRA_LABEL, "-np"]
+
+
+def test_hydras_labelled_output_comes_back_as_each_ranks_whole_lines(capfdbinary):
+    """Hydra labels each piece of a rank's output it forwards: ranks printing at once interleave
+    within a line (a real job's output: ``test_horovodrun_mpi_..._through_mpirun[mpich]``).
+    ``HydraOutput`` gives each rank its lines back, whatever the reads cut."""
+    from horovod.runner.procs import OutputSink
+
+    def label(r: int) -> bytes:
+        return mpi_run.HYDRA_LABEL.replace("%r", str(r)).encode()
+
+    stream = (
+        label(1)
+        + b"rank"
+        + label(0)
+        + b"rank 0 of 2\n"
+        + label(1)
+        + b" 1 of"
+        + label(1)
+        + b" 2\n"
+        + label(0)
+        + b"second\r"
+        + b"hydra's own report\n"
+        + label(1)
+        + b"tail"
+    )
+    for cut in range(len(stream) + 1):  # every place a read may end
+        out = mpi_run.HydraOutput("stdout", OutputSink(False, None), sys.stdout.buffer)
+        out.feed(stream[:cut])
+        out.feed(stream[cut:])
+        out.close()
+        got = capfdbinary.readouterr().out.decode()
+        assert got.splitlines(keepends=True) == [
+            "[0]<stdout>:rank 0 of 2\n",
+            "[1]<stdout>:rank 1 of 2\n",
+            "[0]<stdout>:second\r",
+            "hydra's own report\n",
+            "[1]<stdout>:tail\n",
+        ], (cut, got)
 
 
 def test_ranks_get_mpi_start_up_unless_the_environment_chose_the_built_in_planes():
@@ -266,12 +347,15 @@ def test_ranks_get_mpi_start_up_unless_the_environment_chose_the_built_in_planes
 
 
 # ---------------------------------------------------------------------------- examples
-@needs_mpi
-def test_the_numpy_example_runs_under_plain_mpirun_unchanged():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_numpy_example_runs_under_plain_mpirun_unchanged(impl):
+    if impl == "mpich":
+        argv = [str(MPICH_BIN / "mpirun"), "-n", "2"]
+    else:
+        argv = [str(MPIRUN), *AS_ROOT, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH"]
     r = subprocess.run(
-        [MPIRUN, *AS_ROOT, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH"]
-        + [sys.executable, str(ROOT / "examples" / "numpy_digits.py")],
-        env=_env(),
+        argv + [_python(impl), str(ROOT / "examples" / "numpy_digits.py")],
+        env=_env(impl),
         capture_output=True,
         text=True,
         timeout=180,
@@ -315,10 +399,15 @@ def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers():
         line for line in r.stdout.splitlines() if line.startswith("| all") or "| broadcast" in line
     ]
     assert len(rows) == 3, r.stdout
-    # the ratio column is a number; the allreduce went through MPI (4 MiB: at 2 ranks one of
-    # 1 MiB or less takes the engine's data round, test_two_ranks_on_the_mpi_plane_...)
+    # the ratio columns are numbers (the paired one with its range); the allreduce went
+    # through MPI (4 MiB: at 2 ranks one of 1 MiB or less takes the engine's data round,
+    # test_two_ranks_on_the_mpi_plane_...)
     for row in rows:
-        float(row.strip("|").split("|")[-1])
+        *_, best, paired = row.strip().strip("|").split("|")
+        float(best)
+        mid, spread = paired.split()
+        lo, hi = spread.strip("()").split("-")
+        assert float(lo) <= float(mid) <= float(hi), row
     assert not rows[0].split("|")[4].strip().startswith("0 us"), rows[0]
     # the Python before the first MPI call, on the slowest rank: measured (a rank's own path)
     before = rows[0].split("|")[5].strip()

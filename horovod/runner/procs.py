@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -102,17 +102,23 @@ class OutputSink:
             f.close()
 
 
-def _forward(w: Worker, pipe: BinaryIO, stream: str, sink: OutputSink, size: int) -> None:
-    """Forward ``pipe`` line by line; a line ends at ``\\n`` or ``\\r`` (progress bars)."""
-    pending = b""
+def chunks(pipe: BinaryIO) -> Iterator[bytes]:
+    """What arrives on ``pipe`` as it arrives, until its end (or an error reading it)."""
     fd = pipe.fileno()
     while True:
         try:
             chunk = os.read(fd, 65536)
         except OSError:
-            chunk = b""
+            return
         if not chunk:
-            break
+            return
+        yield chunk
+
+
+def _forward(w: Worker, pipe: BinaryIO, stream: str, sink: OutputSink, size: int) -> None:
+    """Forward ``pipe`` line by line; a line ends at ``\\n`` or ``\\r`` (progress bars)."""
+    pending = b""
+    for chunk in chunks(pipe):
         pending += chunk
         start = 0
         i = 0
