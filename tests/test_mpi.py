@@ -295,6 +295,13 @@ def test_the_mpirun_command_lines_for_open_mpi_and_mpich():
     assert "-genvlist" in hydra and "PATH,HOROVOD_CPU_OPERATIONS" in hydra
     assert hydra[-2:] == ["python", "train.py"] and "-iface" in hydra
     assert "-outfile-pattern" in hydra
+    # Hydra's ssh options: MPICH reads them from its environment only (its mpirun knows no
+    # -bootstrap-exec-args, Intel MPI's); Open MPI's are on its command line (above)
+    assert hydra[hydra.index("-bootstrap") + 1] == "ssh" and "-bootstrap-exec-args" not in hydra
+    env = mpi_run.launcher_env(mpi_run.MPICH, 2222, "/k")
+    assert env["HYDRA_LAUNCHER_EXTRA_ARGS"] == "-p 2222 -i /k"
+    assert mpi_run.launcher_env(mpi_run.OPEN_MPI, 2222, "/k") == {}
+    assert all(mpi_run.LAUNCHER_OWN.match(k) for k in env)  # (mpirun's, not the ranks')
     labelled = mpi_run.command(mpi_run.MPICH, **{**common, "output_dir": None})
     assert labelled[:4] == ["mpirun", "-prepend-pattern", mpi_run.HYDRA_LABEL, "-np"]
 

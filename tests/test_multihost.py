@@ -42,7 +42,9 @@ def workdir(tmp_path):
     return tmp_path
 
 
-def _horovodrun(net, args, script, workdir, *, env=None, timeout=120, popen=False):
+def _horovodrun(
+    net, args, script, workdir, *, env=None, timeout=120, popen=False, python=sys.executable
+):
     path = workdir / "script.py"
     path.write_text(textwrap.dedent(script))
     marker = f"HVD_MULTIHOST_TEST={uuid.uuid4().hex}"
@@ -59,7 +61,7 @@ def _horovodrun(net, args, script, workdir, *, env=None, timeout=120, popen=Fals
             "horovod.runner.launch",
             *net.launcher_args(),
             *args,
-            sys.executable,
+            python,
             str(path),
         ],
     )
@@ -86,16 +88,19 @@ def _nothing_left(marker, within=15.0):
 
 
 COLLECTIVES = """
-    import json, os
+    import json, os, socket
     import numpy as np
     import horovod.numpy as hvd
+    from horovod.core.context import current
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     res = {
         "rank": r, "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
         "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
-        "host": os.environ["HOROVOD_HOSTNAME"], "cwd": os.getcwd(),
+        # (horovodrun's own launcher names the host; under mpirun, the host's own name)
+        "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), "cwd": os.getcwd(),
         "carried": os.environ.get("CARRIED_VAR"),
+        "transport": type(current().engine.transport).__name__,
     }
     for elems in (1, 1000, 300_001):
         x = (np.arange(elems) % 97 + r).astype(np.float32)
@@ -151,6 +156,75 @@ def test_collectives_and_placement_across_hosts_flat_and_hierarchical(net, workd
             if k.startswith(("sum", "avg", "gather")):
                 assert runs["hierarchical"][r_][k] == v, (r_, k)
     assert flat[0]["sum300001"] == float(sum((i % 97) * 4 + 6 for i in range(300_001)))
+
+
+MPICH_BIN = REPO / ".venv-mpich" / "bin"  # (tests/test_mpi.py: MPICH from PyPI, .ci/setup)
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param(
+            "openmpi",
+            marks=pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun installed"),
+        ),
+        pytest.param(
+            "mpich",
+            marks=pytest.mark.skipif(
+                not (MPICH_BIN / "mpirun").exists(), reason="no .venv-mpich (.ci/setup makes it)"
+            ),
+        ),
+    ],
+)
+def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
+    """``horovodrun --mpi`` on two hosts: mpirun starts hostB's ranks over the test network's
+    ssh (``-p``/``-i``), MPI's TCP stays on the hosts' link (``--network-interfaces``), the
+    ranks start up over MPI (rank 0's rendezvous on its routable address) and every byte moves
+    through MPI, flat and hierarchical, with the same results as horovodrun's own launcher.
+    Under MPICH's Hydra, whose ssh options go in ``HYDRA_LAUNCHER_EXTRA_ARGS``."""
+    pytest.importorskip("mpi4py")
+    extra: dict = {}
+    if impl == "mpich":  # (its mpirun first on PATH; its venv's python runs the ranks)
+        path = os.pathsep.join([str(MPICH_BIN), os.environ.get("PATH", "")])
+        extra = {"env": {"PATH": path}, "python": str(MPICH_BIN / "python")}
+    named = TestNetwork(["hostA", "hostB"], hostnames=True)  # (Open MPI tells hosts by name)
+    try:
+        runs = {}
+        for mode in ("flat", "hierarchical"):
+            flags = (
+                ["--hierarchical-allreduce", "--hierarchical-allgather"] if mode != "flat" else []
+            )
+            r, marker = _horovodrun(
+                named,
+                ["--mpi", "-np", "4", "-H", "hostA:2,hostB:2", "--network-interfaces", "eth0"]
+                + flags,
+                COLLECTIVES,
+                workdir,
+                env={"CARRIED_VAR": "from the launcher", **extra.get("env", {})},
+                timeout=180,
+                python=extra.get("python", sys.executable),
+            )
+            assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+            runs[mode] = _results(r.stdout)
+            _nothing_left(marker)
+    finally:
+        named.close()
+    flat = runs["flat"]
+    place = [
+        (d["host"], d["local_rank"], d["cross_rank"], d["cross_size"])
+        for _, d in sorted(flat.items())
+    ]
+    assert place == [("hostA", 0, 0, 2), ("hostA", 1, 0, 2), ("hostB", 0, 1, 2), ("hostB", 1, 1, 2)]
+    for d in flat.values():
+        assert d["transport"] == "MpiTransport"  # (several hosts: the data through MPI)
+        assert d["cwd"] == str(workdir) and d["carried"] == "from the launcher"
+        assert d["bcast"] == [0, 4, 8, 12]
+    assert flat[2]["alltoall"] == [2, 12, 22, 32]
+    assert flat[0]["sum300001"] == float(sum((i % 97) * 4 + 6 for i in range(300_001)))
+    for r_ in range(4):
+        for k, v in flat[r_].items():
+            if k.startswith(("sum", "avg", "gather")):
+                assert runs["hierarchical"][r_][k] == v, (r_, k)
 
 
 def test_training_example_across_hosts(net, workdir):

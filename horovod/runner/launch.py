@@ -570,6 +570,7 @@ def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
         tcp=a.tcp,
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
     )
+    env.update(mpi_run.launcher_env(impl, a.ssh_port, a.ssh_identity_file))
     return mpi_run.run(argv, env, verbose=a.verbose)
 
 

@@ -51,7 +51,7 @@ NOT_FOUND = (
 
 
 # Variables that describe an MPI launch of the launcher itself: never handed to the ranks.
-LAUNCHER_OWN = re.compile(r"^(OMPI_.*|PMIX_.*|PMI_.*|PRTE_.*|HYDRA_.*|MPI_LOCAL.*)$")
+LAUNCHER_OWN = re.compile(r"^(OMPI_.*|PMIX_.*|PMI_.*|PRTE_.*|HYDRA_.*|I_MPI_HYDRA_.*|MPI_LOCAL.*)$")
 
 
 # Hydra's label of a piece of a rank's output (``-prepend-pattern``; %r: the rank): control
@@ -115,9 +115,7 @@ def command(
 ) -> list[str]:
     """The mpirun command line for ``np`` processes over ``hosts`` (module docstring)."""
     host_list = ",".join(f"{h.hostname}:{h.slots}" for h in hosts)
-    ssh_args = " ".join(
-        ([f"-p {ssh_port}"] if ssh_port else []) + ([f"-i {ssh_identity}"] if ssh_identity else [])
-    )
+    ssh_args = _ssh_args(ssh_port, ssh_identity)
     argv = [mpirun]
     if impl == OPEN_MPI:
         if as_root:
@@ -138,8 +136,8 @@ def command(
         # (with output files, each rank's output is a file: no labels; else horovodrun's)
         label = [] if output_dir else ["-prepend-pattern", HYDRA_LABEL]
         argv += [*label, "-np", str(np), "-hosts", host_list, "-bind-to", "none"]
-        if ssh_args:
-            argv += ["-bootstrap", "ssh", "-bootstrap-exec-args", ssh_args]
+        if ssh_args:  # (its arguments: ``launcher_env``)
+            argv += ["-bootstrap", "ssh"]
         if nics:
             argv += ["-iface", nics[0]]
         if output_dir:
@@ -150,6 +148,26 @@ def command(
     if mpi_args:
         argv += shlex.split(mpi_args)
     return argv + list(train)
+
+
+def _ssh_args(port: int | None, identity: str | None) -> str:
+    return " ".join(([f"-p {port}"] if port else []) + ([f"-i {identity}"] if identity else []))
+
+
+def launcher_env(
+    impl: str, ssh_port: int | None = None, ssh_identity: str | None = None
+) -> dict[str, str]:
+    """Variables for mpirun itself: under Hydra, the ssh options (``-p``, ``-i``), which
+    MPICH's Hydra takes only from ``HYDRA_LAUNCHER_EXTRA_ARGS`` (Intel MPI's from
+    ``I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS``; its ``-bootstrap-exec-args`` is unknown to
+    MPICH). Open MPI takes them on its command line."""
+    ssh_args = _ssh_args(ssh_port, ssh_identity)
+    if impl == OPEN_MPI or not ssh_args:
+        return {}
+    return {
+        "HYDRA_LAUNCHER_EXTRA_ARGS": ssh_args,
+        "I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS": ssh_args,
+    }
 
 
 def worker_env(base: Mapping[str, str], settings: Mapping[str, str]) -> dict[str, str]:
