@@ -302,6 +302,9 @@ def test_the_mpirun_command_lines_for_open_mpi_and_mpich():
     assert env["HYDRA_LAUNCHER_EXTRA_ARGS"] == "-p 2222 -i /k"
     assert mpi_run.launcher_env(mpi_run.OPEN_MPI, 2222, "/k") == {}
     assert all(mpi_run.LAUNCHER_OWN.match(k) for k in env)  # (mpirun's, not the ranks')
+    tcp = mpi_run.command(mpi_run.MPICH, tcp=True, **common)  # (TCP between hosts only)
+    at = tcp.index("UCX_TLS") - 1
+    assert tcp[at : at + 6] == ["-genv", "UCX_TLS", "tcp,self,sm", "-genv", "FI_PROVIDER", "tcp"]
     labelled = mpi_run.command(mpi_run.MPICH, **{**common, "output_dir": None})
     assert labelled[:4] == ["mpirun", "-prepend-pattern", mpi_run.HYDRA_LABEL, "-np"]
 

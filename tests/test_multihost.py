@@ -101,6 +101,8 @@ COLLECTIVES = """
         "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), "cwd": os.getcwd(),
         "carried": os.environ.get("CARRIED_VAR"),
         "transport": type(current().engine.transport).__name__,
+        # (horovodrun --mpi --tcp: what Open MPI, and MPICH's network modules, were told)
+        "tcp": [os.environ.get(k) for k in ("OMPI_MCA_btl", "UCX_TLS", "FI_PROVIDER")],
     }
     for elems in (1, 1000, 300_001):
         x = (np.arange(elems) % 97 + r).astype(np.float32)
@@ -191,9 +193,10 @@ def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
     try:
         runs = {}
         for mode in ("flat", "hierarchical"):
-            flags = (
-                ["--hierarchical-allreduce", "--hierarchical-allgather"] if mode != "flat" else []
-            )
+            # (flat: MPI over TCP only, --tcp; hierarchical: the MPI's own choice)
+            flags = ["--hierarchical-allreduce", "--hierarchical-allgather"]
+            if mode == "flat":
+                flags = ["--tcp"]
             r, marker = _horovodrun(
                 named,
                 ["--mpi", "-np", "4", "-H", "hostA:2,hostB:2", "--network-interfaces", "eth0"]
@@ -215,8 +218,10 @@ def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
         for _, d in sorted(flat.items())
     ]
     assert place == [("hostA", 0, 0, 2), ("hostA", 1, 0, 2), ("hostB", 0, 1, 2), ("hostB", 1, 1, 2)]
+    told = ["self,vader,tcp", None, None] if impl == "openmpi" else [None, "tcp,self,sm", "tcp"]
     for d in flat.values():
         assert d["transport"] == "MpiTransport"  # (several hosts: the data through MPI)
+        assert d["tcp"] == told, d["tcp"]
         assert d["cwd"] == str(workdir) and d["carried"] == "from the launcher"
         assert d["bcast"] == [0, 4, 8, 12]
     assert flat[2]["alltoall"] == [2, 12, 22, 32]

@@ -140,6 +140,8 @@ def command(
             argv += ["-bootstrap", "ssh"]
         if nics:
             argv += ["-iface", nics[0]]
+        if tcp:  # (UCX: MPICH's default network module; libfabric: its other, Intel MPI's)
+            argv += ["-genv", "UCX_TLS", "tcp,self,sm", "-genv", "FI_PROVIDER", "tcp"]
         if output_dir:
             argv += ["-outfile-pattern", os.path.join(output_dir, "rank.%r.stdout")]
             argv += ["-errfile-pattern", os.path.join(output_dir, "rank.%r.stderr")]
