@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod.runner import mpi_run
+from horovod.runner import mpi_output, mpi_run
 from horovod.runner.hosts import HostInfo
 
 HERE = Path(__file__).parent
@@ -90,6 +90,17 @@ def mpirun(scenario: str, np_: int, *args: str, timeout: float = 120, impl: str 
     return subprocess.run(
         argv, env=_env(impl, **env), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def _run(argv: list[str], impl: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        argv, env=_env(impl), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def horovodrun_mpi(impl: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``horovodrun --mpi ARGS`` with ``impl``'s mpirun first on PATH."""
+    return _run([sys.executable, "-m", "horovod.runner.launch", "--mpi", *args], impl, timeout)
 
 
 def _ok(r: subprocess.CompletedProcess, n: int) -> None:
@@ -197,20 +208,29 @@ def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path, i
         "print('rank', hvd.rank(), 'of', hvd.size(), t, s.tolist(), flush=True)\n"
     )
     mpi_args = ["--mpi-args=--mca btl self,vader,tcp"] if impl == "openmpi" else []
-    r = subprocess.run(
-        [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2", *mpi_args]
-        + [_python(impl), str(script)],
-        env=_env(impl),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    r = horovodrun_mpi(impl, "-np", "2", *mpi_args, _python(impl), str(script))
     assert r.returncode == 0, r.stderr[-3000:]
     for k in range(2):  # Open MPI's --tag-output prefix (upstream's familiar one); under
         # Hydra horovodrun's own (each rank's lines put back together: HydraOutput)
         prefix = f"[1,{k}]<stdout>: " if impl == "openmpi" else f"[{k}]<stdout>:"
         assert f"{prefix}rank {k} of 2 MpiCollectives [3.0, 3.0, 3.0, 3.0]\n" in r.stdout
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_horovodrun_mpi_writes_each_ranks_output_files_like_its_own_launcher(tmp_path, impl):
+    script = tmp_path / "talk.py"
+    script.write_text(
+        "import sys, horovod.numpy as hvd\nhvd.init()\n"
+        "print('out of', hvd.rank(), 'in', 'words', flush=True)\n"
+        "print('err of', hvd.rank(), file=sys.stderr)\n"
+    )
+    logs = tmp_path / "logs"
+    r = horovodrun_mpi(impl, "-np", "2", "--output-filename", str(logs), _python(impl), str(script))
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    for k in range(2):  # (the console keeps each MPI's prefixes: above)
+        assert (logs / f"rank.{k}" / "stdout").read_text() == f"out of {k} in words\n"
+        assert (logs / f"rank.{k}" / "stderr").read_text() == f"err of {k}\n"
+        assert f"out of {k} in words" in r.stdout and f"err of {k}" in r.stderr
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -220,15 +240,7 @@ def test_horovodrun_mpi_reports_a_failing_rank(tmp_path, impl):
         "import horovod.numpy as hvd\nhvd.init()\n"
         "if hvd.rank() == 1:\n    raise SystemExit('rank 1 gives up')\nhvd.barrier()\n"
     )
-    r = subprocess.run(
-        [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2"]
-        + [_python(impl), str(script)],
-        env=_env(impl),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    r = horovodrun_mpi(impl, "-np", "2", _python(impl), str(script))
     assert r.returncode != 0
     assert "rank 1 gives up" in r.stderr and "mpirun exited with status" in r.stderr
 
@@ -268,7 +280,6 @@ def test_the_mpirun_command_lines_for_open_mpi_and_mpich():
         nics=["eth1"],
         ssh_port=2222,
         ssh_identity="/k",
-        output_dir="/logs",
     )
     ompi = mpi_run.command(mpi_run.OPEN_MPI, tcp=True, as_root=True, **common)
     assert ompi[:8] == [
@@ -285,16 +296,18 @@ def test_the_mpirun_command_lines_for_open_mpi_and_mpich():
         ["--mca", "plm_rsh_args", "-p 2222 -i /k"],
         ["--mca", "btl_tcp_if_include", "eth1"],
         ["--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"],
-        ["--output-filename", "/logs"],
         ["-x", "PATH", "-x", "HOROVOD_CPU_OPERATIONS"],
         ["--mca", "foo", "b c", "python", "train.py"],
     ):
         assert any(ompi[i : i + len(part)] == part for i in range(len(ompi))), (part, ompi)
-    hydra = mpi_run.command(mpi_run.MPICH, **common)  # (output files: no labels)
-    assert hydra[:7] == ["mpirun", "-np", "4", "-hosts", "a:2,b:2", "-bind-to", "none"]
+    hydra = mpi_run.command(mpi_run.MPICH, **common)
+    assert hydra[:5] == ["mpirun", "-prepend-pattern", mpi_output.HYDRA_LABEL, "-np", "4"]
+    assert hydra[5:9] == ["-hosts", "a:2,b:2", "-bind-to", "none"]
     assert "-genvlist" in hydra and "PATH,HOROVOD_CPU_OPERATIONS" in hydra
     assert hydra[-2:] == ["python", "train.py"] and "-iface" in hydra
-    assert "-outfile-pattern" in hydra
+    # (output files are horovodrun's: mpi_output, for every MPI alike)
+    files = ("--output-filename", "--output", "-outfile-pattern", "-errfile-pattern")
+    assert not set(files) & set(ompi + hydra)
     # Hydra's ssh options: MPICH reads them from its environment only (its mpirun knows no
     # -bootstrap-exec-args, Intel MPI's); Open MPI's are on its command line (above)
     assert hydra[hydra.index("-bootstrap") + 1] == "ssh" and "-bootstrap-exec-args" not in hydra
@@ -305,8 +318,6 @@ def test_the_mpirun_command_lines_for_open_mpi_and_mpich():
     tcp = mpi_run.command(mpi_run.MPICH, tcp=True, **common)  # (TCP between hosts only)
     at = tcp.index("UCX_TLS") - 1
     assert tcp[at : at + 6] == ["-genv", "UCX_TLS", "tcp,self,sm", "-genv", "FI_PROVIDER", "tcp"]
-    labelled = mpi_run.command(mpi_run.MPICH, **{**common, "output_dir": None})
-    assert labelled[:4] == ["mpirun", "-prepend-pattern", mpi_run.HYDRA_LABEL, "-np"]
 
 
 def test_hydras_labelled_output_comes_back_as_each_ranks_whole_lines(capfdbinary):
@@ -316,7 +327,7 @@ def test_hydras_labelled_output_comes_back_as_each_ranks_whole_lines(capfdbinary
     from horovod.runner.procs import OutputSink
 
     def label(r: int) -> bytes:
-        return mpi_run.HYDRA_LABEL.replace("%r", str(r)).encode()
+        return mpi_output.HYDRA_LABEL.replace("%r", str(r)).encode()
 
     stream = (
         label(1)
@@ -334,7 +345,7 @@ def test_hydras_labelled_output_comes_back_as_each_ranks_whole_lines(capfdbinary
         + b"tail"
     )
     for cut in range(len(stream) + 1):  # every place a read may end
-        out = mpi_run.HydraOutput("stdout", OutputSink(False, None), sys.stdout.buffer)
+        out = mpi_output.HydraOutput("stdout", OutputSink(False, None), sys.stdout.buffer)
         out.feed(stream[:cut])
         out.feed(stream[cut:])
         out.close()
@@ -346,6 +357,25 @@ def test_hydras_labelled_output_comes_back_as_each_ranks_whole_lines(capfdbinary
             "hydra's own report\n",
             "[1]<stdout>:tail\n",
         ], (cut, got)
+
+
+def test_open_mpis_tagged_lines_pass_as_they_are_and_fill_each_ranks_files(tmp_path, capfdbinary):
+    """``--output-filename`` under Open MPI: its tagged lines reach the console unchanged, and
+    each rank's text goes to DIR/rank.N/stdout (Open MPI 5's own flag names files otherwise)."""
+    from horovod.runner.procs import OutputSink
+
+    stream = b"[1,0]<stdout>: a\n[1,1]<stdout>:   indented\nmpirun's own\n[1,0]<stdout>: last"
+    for cut in (0, 5, 17, len(stream)):
+        d = tmp_path / str(cut)
+        sink = OutputSink(False, str(d))
+        out = mpi_output.TaggedOutput("stdout", sink, sys.stdout.buffer, 2)
+        out.feed(stream[:cut])
+        out.feed(stream[cut:])
+        out.close()
+        sink.close()
+        assert capfdbinary.readouterr().out == stream + b"\n"
+        assert (d / "rank.0" / "stdout").read_bytes() == b"a\nlast\n"
+        assert (d / "rank.1" / "stdout").read_bytes() == b"  indented\n"
 
 
 def test_ranks_get_mpi_start_up_unless_the_environment_chose_the_built_in_planes():
@@ -363,14 +393,7 @@ def test_the_numpy_example_runs_under_plain_mpirun_unchanged(impl):
         argv = [str(MPICH_BIN / "mpirun"), "-n", "2"]
     else:
         argv = [str(MPIRUN), *AS_ROOT, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH"]
-    r = subprocess.run(
-        argv + [_python(impl), str(ROOT / "examples" / "numpy_digits.py")],
-        env=_env(impl),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    r = _run(argv + [_python(impl), str(ROOT / "examples" / "numpy_digits.py")], impl, 180)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "training on 2 rank(s)" in r.stdout and "replicas identical: True" in r.stdout
 
@@ -378,15 +401,10 @@ def test_the_numpy_example_runs_under_plain_mpirun_unchanged(impl):
 @needs_mpi
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch")
 def test_the_main_example_trains_under_horovodrun_mpi(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "horovod.runner.launch", "--mpi", "-np", "2"]
-        + [sys.executable, str(ROOT / "examples" / "pytorch_digits.py")]
-        + ["--checkpoint", str(tmp_path / "ckpt.pt")],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    example = str(ROOT / "examples" / "pytorch_digits.py")
+    checkpoint = str(tmp_path / "ckpt.pt")
+    r = horovodrun_mpi(
+        "openmpi", "-np", "2", sys.executable, example, "--checkpoint", checkpoint, timeout=300
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "[1,0]<stdout>: epoch 10:" in r.stdout

@@ -566,12 +566,11 @@ def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
         nics=nics,
         ssh_port=a.ssh_port,
         ssh_identity=a.ssh_identity_file,
-        output_dir=a.output_filename,
         tcp=a.tcp,
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
     )
     env.update(mpi_run.launcher_env(impl, a.ssh_port, a.ssh_identity_file))
-    return mpi_run.run(argv, env, verbose=a.verbose)
+    return mpi_run.run(argv, env, a.verbose, a.output_filename, a.np)
 
 
 def run_commandline() -> None:  # upstream's entry point name

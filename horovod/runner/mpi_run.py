@@ -4,7 +4,7 @@ process launcher, as upstream's MPI launcher does.
 ``implementation`` tells Open MPI (and IBM Spectrum MPI, its derivative) from MPICH and Intel
 MPI (both Hydra) by ``mpirun --version``; ``command`` builds that implementation's command
 line: the processes and hosts, no CPU binding (Horovod's engine thread would share the training
-thread's core), ssh options, the network interfaces, ``--output-filename``, ``--tcp``, every
+thread's core), ssh options, the network interfaces, ``--tcp``, every
 exportable variable of the launching environment (``-x NAME`` / ``-genvlist``), the user's
 ``--mpi-args``, then the training command. The workers start over MPI (rank 0 serves the
 rendezvous and tells the others over MPI, ``horovod.core.mpi_world``), and the data moves
@@ -14,12 +14,8 @@ through MPI unless the environment says ``HOROVOD_CPU_OPERATIONS=gloo``.
 returns its exit status; mpirun reports which rank failed, and each rank's own error names the
 operation and tensor as on every launcher.
 
-Each rank's output comes back line by line with its rank: Open MPI's ``--tag-output`` does it.
-Hydra's labels (``-l``) mark each piece of output it forwards, not each line, so ranks that
-print at once (the ranks run unbuffered: a ``print`` is a write per word) got their words
-interleaved within lines. Under Hydra, horovodrun asks for labels that no program prints
-(``HYDRA_LABEL``), puts each rank's lines back together (``HydraOutput``) and prefixes them as
-its own launcher does (``[rank]<stdout>:``).
+Each rank's output comes back line by line with its rank, and with ``--output-filename`` in
+``DIR/rank.N/stdout`` and ``stderr`` as on horovodrun's own launcher (``mpi_output``).
 
 Must not touch: the training runtime (it never imports it), horovodrun's own launcher.
 """
@@ -33,12 +29,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping, Sequence
-from typing import BinaryIO
 
+from horovod.runner import mpi_output
 from horovod.runner.hosts import HostInfo
-from horovod.runner.procs import OutputSink, chunks
+from horovod.runner.mpi_output import HYDRA_LABEL
 
 OPEN_MPI, MPICH = "Open MPI", "MPICH"
 
@@ -52,12 +47,6 @@ NOT_FOUND = (
 
 # Variables that describe an MPI launch of the launcher itself: never handed to the ranks.
 LAUNCHER_OWN = re.compile(r"^(OMPI_.*|PMIX_.*|PMI_.*|PRTE_.*|HYDRA_.*|I_MPI_HYDRA_.*|MPI_LOCAL.*)$")
-
-
-# Hydra's label of a piece of a rank's output (``-prepend-pattern``; %r: the rank): control
-# characters no program prints, so that horovodrun can tell the ranks' pieces apart.
-HYDRA_LABEL = "\x1e%r\x1f"
-_LABEL = re.compile(rb"\x1e(\d+)\x1f")
 
 
 class MpiNotFound(RuntimeError):
@@ -109,7 +98,6 @@ def command(
     nics: Sequence[str] = (),
     ssh_port: int | None = None,
     ssh_identity: str | None = None,
-    output_dir: str | None = None,
     tcp: bool = False,
     as_root: bool = False,
 ) -> list[str]:
@@ -128,23 +116,17 @@ def command(
             argv += ["--mca", "btl_tcp_if_include", ",".join(nics)]
         if tcp:
             argv += ["--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"]
-        if output_dir:
-            argv += ["--output-filename", output_dir]
         for name in env_names:
             argv += ["-x", name]
     else:  # MPICH, Intel MPI: Hydra
-        # (with output files, each rank's output is a file: no labels; else horovodrun's)
-        label = [] if output_dir else ["-prepend-pattern", HYDRA_LABEL]
-        argv += [*label, "-np", str(np), "-hosts", host_list, "-bind-to", "none"]
+        argv += ["-prepend-pattern", HYDRA_LABEL]  # (``mpi_output``: each rank's lines)
+        argv += ["-np", str(np), "-hosts", host_list, "-bind-to", "none"]
         if ssh_args:  # (its arguments: ``launcher_env``)
             argv += ["-bootstrap", "ssh"]
         if nics:
             argv += ["-iface", nics[0]]
         if tcp:  # (UCX: MPICH's default network module; libfabric: its other, Intel MPI's)
             argv += ["-genv", "UCX_TLS", "tcp,self,sm", "-genv", "FI_PROVIDER", "tcp"]
-        if output_dir:
-            argv += ["-outfile-pattern", os.path.join(output_dir, "rank.%r.stdout")]
-            argv += ["-errfile-pattern", os.path.join(output_dir, "rank.%r.stderr")]
         if env_names:
             argv += ["-genvlist", ",".join(env_names)]
     if mpi_args:
@@ -183,85 +165,21 @@ def worker_env(base: Mapping[str, str], settings: Mapping[str, str]) -> dict[str
     return env
 
 
-class HydraOutput:
-    """One of Hydra's output streams (``stream``: "stdout" or "stderr") labelled with
-    ``HYDRA_LABEL``, put back together rank by rank: each rank's complete lines go to ``sink``
-    (``[rank]<stdout>:``), a partial one waits for its rest; a line that starts without a
-    label is Hydra's own (its report of a failed rank) and passes as it is."""
-
-    def __init__(self, stream: str, sink: OutputSink, own: BinaryIO) -> None:
-        self.stream, self.sink, self.own = stream, sink, own
-        self.partial: dict[int, bytes] = {}  # each rank's line so far
-        self.rank: int | None = None  # whose text this is (None: Hydra's own line)
-        self.held = b""  # the start of a label the last read cut off
-
-    def feed(self, data: bytes) -> None:
-        data = self.held + data
-        self.held = b""
-        cut = data.rfind(b"\x1e")
-        if cut >= 0 and _LABEL.match(data, cut) is None and len(data) - cut < 16:
-            data, self.held = data[:cut], data[cut:]
-        at = 0
-        for m in _LABEL.finditer(data):
-            self._text(data[at : m.start()])
-            self.rank = int(m.group(1))
-            at = m.end()
-        self._text(data[at:])
-
-    def _text(self, text: bytes) -> None:
-        while text:
-            ends = [i for i in (text.find(b"\n"), text.find(b"\r")) if i >= 0]
-            end = min(ends) + 1 if ends else len(text)
-            piece, text = text[:end], text[end:]
-            if self.rank is None:
-                with self.sink.lock:
-                    self.own.write(piece)
-                    self.own.flush()
-            else:
-                line = self.partial.pop(self.rank, b"") + piece
-                if ends:
-                    self.sink.write(self.rank, self.stream, line, 0)
-                else:
-                    self.partial[self.rank] = line
-            if ends:
-                self.rank = None  # (a label marks every line of a rank's)
-
-    def close(self) -> None:
-        self.feed(b"")
-        rest, self.held = self.held, b""
-        self._text(rest)
-        for rank, line in sorted(self.partial.items()):
-            self.sink.write(rank, self.stream, line + b"\n", 0)
-        self.partial.clear()
-
-
-def _pump(pipe: BinaryIO, out: HydraOutput) -> None:
-    for chunk in chunks(pipe):
-        out.feed(chunk)
-    out.close()
-    pipe.close()
-
-
-def run(argv: Sequence[str], env: Mapping[str, str], verbose: bool = False) -> int:
-    """Run mpirun; SIGINT/SIGTERM go to it (it stops the ranks). Its exit status."""
+def run(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    verbose: bool = False,
+    output_dir: str | None = None,
+    size: int = 1,
+) -> int:
+    """Run mpirun (``size`` ranks); SIGINT/SIGTERM go to it (it stops the ranks). Each rank's
+    output as ``mpi_output`` forwards it (and into ``output_dir``). Its exit status."""
     if verbose:
         print(f"horovodrun: {shlex.join(argv)}", file=sys.stderr)
     labelled = HYDRA_LABEL in argv
-    pipe = subprocess.PIPE if labelled else None
+    pipe = subprocess.PIPE if labelled or output_dir else None
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe)
-    pumps = []
-    if labelled:
-        sink = OutputSink(timestamp=False, output_dir=None)
-        for stream, src, own in (
-            ("stdout", proc.stdout, sys.stdout.buffer),
-            ("stderr", proc.stderr, sys.stderr.buffer),
-        ):
-            assert src is not None
-            t = threading.Thread(
-                target=_pump, args=(src, HydraOutput(stream, sink, own)), daemon=True
-            )
-            t.start()
-            pumps.append(t)
+    pumps = mpi_output.forward(proc, labelled, output_dir, size) if pipe else []
 
     def forward(signum: int, _frame: object) -> None:
         try:
