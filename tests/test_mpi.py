@@ -217,7 +217,7 @@ def test_horovodrun_mpi_runs_an_upstream_style_script_through_mpirun(tmp_path, i
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_horovodrun_mpi_writes_each_ranks_output_files_like_its_own_launcher(tmp_path, impl):
+def test_horovodrun_mpi_writes_output_files_and_timestamps_like_its_own_launcher(tmp_path, impl):
     script = tmp_path / "talk.py"
     script.write_text(
         "import sys, horovod.numpy as hvd\nhvd.init()\n"
@@ -225,12 +225,15 @@ def test_horovodrun_mpi_writes_each_ranks_output_files_like_its_own_launcher(tmp
         "print('err of', hvd.rank(), file=sys.stderr)\n"
     )
     logs = tmp_path / "logs"
-    r = horovodrun_mpi(impl, "-np", "2", "--output-filename", str(logs), _python(impl), str(script))
+    flags = ["--output-filename", str(logs), "--prefix-output-with-timestamp"]
+    r = horovodrun_mpi(impl, "-np", "2", *flags, _python(impl), str(script))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    for k in range(2):  # (the console keeps each MPI's prefixes: above)
+    when = r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}"  # time.asctime()
+    for k in range(2):  # (the console keeps each MPI's prefixes, after the time)
         assert (logs / f"rank.{k}" / "stdout").read_text() == f"out of {k} in words\n"
         assert (logs / f"rank.{k}" / "stderr").read_text() == f"err of {k}\n"
-        assert f"out of {k} in words" in r.stdout and f"err of {k}" in r.stderr
+        assert re.search(rf"^{when}\[[\d,]*{k}\]<stdout>: ?out of {k} in words$", r.stdout, re.M)
+        assert re.search(rf"^{when}\[[\d,]*{k}\]<stderr>: ?err of {k}$", r.stderr, re.M)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -570,7 +570,9 @@ def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
         as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
     )
     env.update(mpi_run.launcher_env(impl, a.ssh_port, a.ssh_identity_file))
-    return mpi_run.run(argv, env, a.verbose, a.output_filename, a.np)
+    return mpi_run.run(
+        argv, env, a.verbose, a.output_filename, a.np, a.prefix_output_with_timestamp
+    )
 
 
 def run_commandline() -> None:  # upstream's entry point name

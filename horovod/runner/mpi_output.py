@@ -6,7 +6,9 @@ forwards, not each line (its ``-l``), so ranks that print at once (they run unbu
 ``print`` is a write per word) had their words interleaved within lines. Under Hydra,
 horovodrun asks for labels that no program prints (``HYDRA_LABEL``), puts each rank's lines
 back together (``HydraOutput``) and prefixes them as its own launcher does
-(``[<rank>]<stdout>:``). With ``--output-filename DIR``, each rank's lines also go to
+(``[<rank>]<stdout>:``). ``--prefix-output-with-timestamp`` puts the time before each rank's
+line under every MPI, as on horovodrun's own launcher. With ``--output-filename DIR``, each
+rank's lines also go to
 ``DIR/rank.<N>/stdout`` and ``stderr``, as on horovodrun's own launcher, whichever the MPI
 (Open MPI 5's ``--output-filename`` names its files otherwise; Hydra's patterns need their
 directories made first).
@@ -20,6 +22,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from typing import BinaryIO
 
 from horovod.runner.procs import OutputSink, chunks
@@ -85,8 +88,9 @@ class HydraOutput:
 
 
 class TaggedOutput:
-    """One of Open MPI's output streams (``--tag-output``), passed on as it is, each tagged
-    line's text also written to its rank's file in ``sink``'s directory."""
+    """One of Open MPI's output streams (``--tag-output``), passed on as it is (after the time,
+    with ``sink.timestamp``), each tagged line's text also written to its rank's file in
+    ``sink``'s directory."""
 
     def __init__(self, stream: str, sink: OutputSink, own: BinaryIO, size: int = 1) -> None:
         self.stream, self.sink, self.own, self.size = stream, sink, own, size
@@ -101,6 +105,8 @@ class TaggedOutput:
         tag = _TAG.match(line)
         sink = self.sink
         with sink.lock:
+            if tag is not None and sink.timestamp:
+                self.own.write(time.asctime().encode())
             self.own.write(line)
             self.own.flush()
             f = sink.file_for(int(tag.group(1)), self.stream, self.size) if tag else None
@@ -122,12 +128,13 @@ def _pump(pipe: BinaryIO, out: HydraOutput | TaggedOutput) -> None:
 
 
 def forward(
-    proc: subprocess.Popen, labelled: bool, output_dir: str | None, size: int
+    proc: subprocess.Popen, labelled: bool, output_dir: str | None, size: int, timestamp: bool
 ) -> list[threading.Thread]:
     """Start forwarding ``proc``'s piped stdout and stderr (Hydra's, ``labelled``; else Open
-    MPI's tagged lines) to ours, and each rank's lines to ``output_dir``; the threads end with
-    the streams (join them after the process)."""
-    sink = OutputSink(timestamp=False, output_dir=output_dir)
+    MPI's tagged lines) to ours (each rank's lines after the time, with ``timestamp``), and
+    each rank's lines to ``output_dir``; the threads end with the streams (join them after the
+    process)."""
+    sink = OutputSink(timestamp=timestamp, output_dir=output_dir)
     reader = HydraOutput if labelled else TaggedOutput
     threads = []
     for stream, src, own in (

@@ -171,15 +171,17 @@ def run(
     verbose: bool = False,
     output_dir: str | None = None,
     size: int = 1,
+    timestamp: bool = False,
 ) -> int:
     """Run mpirun (``size`` ranks); SIGINT/SIGTERM go to it (it stops the ranks). Each rank's
-    output as ``mpi_output`` forwards it (and into ``output_dir``). Its exit status."""
+    output as ``mpi_output`` forwards it (after the time, with ``timestamp``; and into
+    ``output_dir``). Its exit status."""
     if verbose:
         print(f"horovodrun: {shlex.join(argv)}", file=sys.stderr)
     labelled = HYDRA_LABEL in argv
-    pipe = subprocess.PIPE if labelled or output_dir else None
+    pipe = subprocess.PIPE if labelled or output_dir or timestamp else None
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe)
-    pumps = mpi_output.forward(proc, labelled, output_dir, size) if pipe else []
+    pumps = mpi_output.forward(proc, labelled, output_dir, size, timestamp) if pipe else []
 
     def forward(signum: int, _frame: object) -> None:
         try:
