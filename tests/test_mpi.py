@@ -1,5 +1,5 @@
 """MPI: jobs under a real ``mpirun`` (Open MPI from PyPI: ``pip install 'pyhorovod[mpi]'``; and
-MPICH, from PyPI too, in a venv of its own: ``.venv-mpich``, made by ``.ci/setup``), the MPI
+MPICH and Intel MPI, from PyPI too, each in a venv of its own: ``tests/mpi_impls.py``), the MPI
 data plane, ``hvd.init(comm=...)``, process sets from communicators, hierarchical operations on
 MPI, ``horovodrun --mpi`` and its errors. The jobs are ``tests/mpi_worker.py`` scenarios, which
 check their results against formulas; each test here is one mpirun, under each MPI present."""
@@ -21,6 +21,8 @@ import pytest
 
 from horovod.runner import mpi_output, mpi_run
 from horovod.runner.hosts import HostInfo
+from tests import mpi_impls
+from tests.mpi_impls import IMPLS  # (the jobs below run under every MPI present)
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -31,16 +33,6 @@ needs_mpi = pytest.mark.skipif(
     reason="MPI is not installed here (pip install 'pyhorovod[mpi]': Open MPI and mpi4py)",
 )
 AS_ROOT = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
-# MPICH (Hydra's mpirun) with the mpi4py that loads it: a venv of its own, since the MPI that
-# mpi4py loads is the one installed beside it (``.ci/setup``: pip install mpi4py mpich -e .).
-MPICH_BIN = ROOT / ".venv-mpich" / "bin"
-HAVE_MPICH = (MPICH_BIN / "mpirun").exists() and (MPICH_BIN / "python").exists()
-needs_mpich = pytest.mark.skipif(
-    not HAVE_MPICH,
-    reason="MPICH is not installed here (.ci/setup makes .venv-mpich: pip install mpi4py mpich)",
-)
-# The jobs below run under every MPI present.
-IMPLS = [pytest.param("openmpi", marks=needs_mpi), pytest.param("mpich", marks=needs_mpich)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,22 +59,19 @@ def _env(impl: str = "openmpi", **extra: str) -> dict[str, str]:
         if not k.startswith(("HOROVOD_", "OMPI_", "PMIX", "PMI_", "HYDRA_"))
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    if impl == "mpich":  # (its mpirun, and its venv's python, come first)
-        env["PATH"] = os.pathsep.join([str(MPICH_BIN), env.get("PATH", "")])
+    env["PATH"] = mpi_impls.path(impl, env.get("PATH", ""))
     env.update(extra)
     return env
 
 
-def _python(impl: str) -> str:
-    """The Python whose mpi4py loads ``impl``."""
-    return str(MPICH_BIN / "python") if impl == "mpich" else sys.executable
+_python = mpi_impls.python
 
 
 def mpirun(scenario: str, np_: int, *args: str, timeout: float = 120, impl: str = "openmpi", **env):
     """Run ``tests/mpi_worker.py scenario`` under ``impl``'s mpirun; the variables in ``env``
     are set on every rank (Hydra passes the whole environment; Open MPI is told which)."""
-    if impl == "mpich":
-        argv = [str(MPICH_BIN / "mpirun"), "-n", str(np_)]
+    if mpi_impls.hydra(impl):
+        argv = [str(mpi_impls.mpirun(impl)), "-n", str(np_)]
     else:
         exports = [a for k in ["PYTHONPATH", *env] for a in ("-x", k)]
         argv = [MPIRUN, *AS_ROOT, "--oversubscribe", "-np", str(np_), *exports]
@@ -392,8 +381,8 @@ def test_ranks_get_mpi_start_up_unless_the_environment_chose_the_built_in_planes
 # ---------------------------------------------------------------------------- examples
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_numpy_example_runs_under_plain_mpirun_unchanged(impl):
-    if impl == "mpich":
-        argv = [str(MPICH_BIN / "mpirun"), "-n", "2"]
+    if mpi_impls.hydra(impl):
+        argv = [str(mpi_impls.mpirun(impl)), "-n", "2"]
     else:
         argv = [str(MPIRUN), *AS_ROOT, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH"]
     r = _run(argv + [_python(impl), str(ROOT / "examples" / "numpy_digits.py")], impl, 180)

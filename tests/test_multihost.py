@@ -22,6 +22,7 @@ import uuid
 import pytest
 
 from horovod.testing.netns import TestNetwork, processes_with, unavailable
+from tests import mpi_impls
 from tests.conftest import REPO
 
 _WHY_NOT = unavailable() if sys.platform == "linux" else "Linux only"
@@ -101,7 +102,7 @@ COLLECTIVES = """
         "host": os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), "cwd": os.getcwd(),
         "carried": os.environ.get("CARRIED_VAR"),
         "transport": type(current().engine.transport).__name__,
-        # (horovodrun --mpi --tcp: what Open MPI, and MPICH's network modules, were told)
+        # (horovodrun --mpi --tcp: what Open MPI, and Hydra's MPIs' network modules, were told)
         "tcp": [os.environ.get(k) for k in ("OMPI_MCA_btl", "UCX_TLS", "FI_PROVIDER")],
     }
     for elems in (1, 1000, 300_001):
@@ -160,35 +161,15 @@ def test_collectives_and_placement_across_hosts_flat_and_hierarchical(net, workd
     assert flat[0]["sum300001"] == float(sum((i % 97) * 4 + 6 for i in range(300_001)))
 
 
-MPICH_BIN = REPO / ".venv-mpich" / "bin"  # (tests/test_mpi.py: MPICH from PyPI, .ci/setup)
-
-
-@pytest.mark.parametrize(
-    "impl",
-    [
-        pytest.param(
-            "openmpi",
-            marks=pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun installed"),
-        ),
-        pytest.param(
-            "mpich",
-            marks=pytest.mark.skipif(
-                not (MPICH_BIN / "mpirun").exists(), reason="no .venv-mpich (.ci/setup makes it)"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("impl", mpi_impls.IMPLS)
 def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
     """``horovodrun --mpi`` on two hosts: mpirun starts hostB's ranks over the test network's
     ssh (``-p``/``-i``), MPI's TCP stays on the hosts' link (``--network-interfaces``), the
     ranks start up over MPI (rank 0's rendezvous on its routable address) and every byte moves
     through MPI, flat and hierarchical, with the same results as horovodrun's own launcher.
-    Under MPICH's Hydra, whose ssh options go in ``HYDRA_LAUNCHER_EXTRA_ARGS``."""
-    pytest.importorskip("mpi4py")
-    extra: dict = {}
-    if impl == "mpich":  # (its mpirun first on PATH; its venv's python runs the ranks)
-        path = os.pathsep.join([str(MPICH_BIN), os.environ.get("PATH", "")])
-        extra = {"env": {"PATH": path}, "python": str(MPICH_BIN / "python")}
+    Under MPICH and Intel MPI (Hydra) too: the hosts in a machine file, the ssh options in
+    mpirun's environment."""
+    path = mpi_impls.path(impl, os.environ.get("PATH", ""))  # (its mpirun first)
     named = TestNetwork(["hostA", "hostB"], hostnames=True)  # (Open MPI tells hosts by name)
     try:
         runs = {}
@@ -203,9 +184,9 @@ def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
                 + flags,
                 COLLECTIVES,
                 workdir,
-                env={"CARRIED_VAR": "from the launcher", **extra.get("env", {})},
+                env={"CARRIED_VAR": "from the launcher", "PATH": path},
                 timeout=180,
-                python=extra.get("python", sys.executable),
+                python=mpi_impls.python(impl),
             )
             assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
             runs[mode] = _results(r.stdout)
@@ -218,7 +199,7 @@ def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
         for _, d in sorted(flat.items())
     ]
     assert place == [("hostA", 0, 0, 2), ("hostA", 1, 0, 2), ("hostB", 0, 1, 2), ("hostB", 1, 1, 2)]
-    told = ["self,vader,tcp", None, None] if impl == "openmpi" else [None, "tcp,self,sm", "tcp"]
+    told = [None, "tcp,self,sm", "tcp"] if mpi_impls.hydra(impl) else ["self,vader,tcp", None, None]
     for d in flat.values():
         assert d["transport"] == "MpiTransport"  # (several hosts: the data through MPI)
         assert d["tcp"] == told, d["tcp"]

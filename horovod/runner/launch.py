@@ -555,24 +555,31 @@ def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
         return _error(str(e))
     nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
     env = mpi_run.worker_env(ssh.exportable(os.environ), env_from_args(a))
-    argv = mpi_run.command(
-        impl,
-        mpirun=mpirun,
-        np=a.np,
-        hosts=hosts,
-        env_names=[k for k in env if not mpi_run.LAUNCHER_OWN.match(k)],
-        train=command,
-        mpi_args=a.mpi_args,
-        nics=nics,
-        ssh_port=a.ssh_port,
-        ssh_identity=a.ssh_identity_file,
-        tcp=a.tcp,
-        as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
-    )
+    env_names = [k for k in env if not mpi_run.LAUNCHER_OWN.match(k)]
     env.update(mpi_run.launcher_env(impl, a.ssh_port, a.ssh_identity_file))
-    return mpi_run.run(
-        argv, env, a.verbose, a.output_filename, a.np, a.prefix_output_with_timestamp
-    )
+    hostfile = mpi_run.write_hostfile(hosts) if impl == mpi_run.MPICH else None
+    try:
+        argv = mpi_run.command(
+            impl,
+            mpirun=mpirun,
+            np=a.np,
+            hosts=hosts,
+            env_names=env_names,
+            train=command,
+            mpi_args=a.mpi_args,
+            nics=nics,
+            ssh_port=a.ssh_port,
+            ssh_identity=a.ssh_identity_file,
+            tcp=a.tcp,
+            as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
+            hostfile=hostfile,
+        )
+        return mpi_run.run(
+            argv, env, a.verbose, a.output_filename, a.np, a.prefix_output_with_timestamp
+        )
+    finally:
+        if hostfile is not None:
+            os.unlink(hostfile)
 
 
 def run_commandline() -> None:  # upstream's entry point name

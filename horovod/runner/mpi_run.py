@@ -3,7 +3,7 @@ process launcher, as upstream's MPI launcher does.
 
 ``implementation`` tells Open MPI (and IBM Spectrum MPI, its derivative) from MPICH and Intel
 MPI (both Hydra) by ``mpirun --version``; ``command`` builds that implementation's command
-line: the processes and hosts, no CPU binding (Horovod's engine thread would share the training
+line: the processes and hosts (under Hydra a machine file, ``write_hostfile``), no CPU binding (Horovod's engine thread would share the training
 thread's core), ssh options, the network interfaces, ``--tcp``, every
 exportable variable of the launching environment (``-x NAME`` / ``-genvlist``), the user's
 ``--mpi-args``, then the training command. The workers start over MPI (rank 0 serves the
@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 
 from horovod.runner import mpi_output
@@ -100,8 +101,11 @@ def command(
     ssh_identity: str | None = None,
     tcp: bool = False,
     as_root: bool = False,
+    hostfile: str | None = None,
 ) -> list[str]:
-    """The mpirun command line for ``np`` processes over ``hosts`` (module docstring)."""
+    """The mpirun command line for ``np`` processes over ``hosts`` (module docstring); under
+    Hydra, ``hostfile`` (``write_hostfile``) names the hosts and their slots, which Intel
+    MPI's ``-hosts`` cannot (it took ``host:2`` for a host name)."""
     host_list = ",".join(f"{h.hostname}:{h.slots}" for h in hosts)
     ssh_args = _ssh_args(ssh_port, ssh_identity)
     argv = [mpirun]
@@ -120,7 +124,8 @@ def command(
             argv += ["-x", name]
     else:  # MPICH, Intel MPI: Hydra
         argv += ["-prepend-pattern", HYDRA_LABEL]  # (``mpi_output``: each rank's lines)
-        argv += ["-np", str(np), "-hosts", host_list, "-bind-to", "none"]
+        where = ["-machinefile", hostfile] if hostfile else ["-hosts", host_list]
+        argv += ["-np", str(np), *where, "-bind-to", "none"]
         if ssh_args:  # (its arguments: ``launcher_env``)
             argv += ["-bootstrap", "ssh"]
         if nics:
@@ -132,6 +137,15 @@ def command(
     if mpi_args:
         argv += shlex.split(mpi_args)
     return argv + list(train)
+
+
+def write_hostfile(hosts: Sequence[HostInfo]) -> str:
+    """A temporary machine file for Hydra, a ``host:slots`` line per host (the caller removes
+    it after the run)."""
+    fd, path = tempfile.mkstemp(prefix="horovodrun-hosts-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{h.hostname}:{h.slots}\n" for h in hosts)
+    return path
 
 
 def _ssh_args(port: int | None, identity: str | None) -> str:
