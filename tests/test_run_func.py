@@ -9,6 +9,7 @@ import pytest
 
 import horovod
 from horovod.runner import RemoteTraceback
+from tests import mpi_impls
 
 pytestmark = pytest.mark.e2e
 
@@ -79,11 +80,36 @@ def test_a_rank_that_dies_without_an_exception_is_reported():
         horovod.run(die, num_proc=2)
 
 
+@pytest.mark.parametrize("impl", mpi_impls.IMPLS)
+def test_use_mpi_runs_the_function_under_mpirun(impl, monkeypatch):
+    """``use_mpi=True``: the installed mpirun starts the ranks (Open MPI, MPICH, Intel MPI),
+    the data moves through MPI, and the function and its values travel through the launcher's
+    store as on its own launcher."""
+
+    def under_mpi(scale):  # (nested: pickled by value, for a venv without these tests)
+        import numpy as np
+
+        import horovod.numpy as hvd
+        from horovod.core.context import current
+
+        hvd.init()
+        total = hvd.allreduce(np.array([hvd.rank() * scale]), op=hvd.Sum, name="t")
+        native = type(current().engine.transport.native).__name__
+        return hvd.rank(), hvd.size(), float(total[0]), hvd.mpi_enabled(), native
+
+    monkeypatch.setenv("PATH", mpi_impls.path(impl, os.environ.get("PATH", "")))
+    extra = {"mpi_args": "--oversubscribe"} if impl == "openmpi" else {"use_mpi": True}
+    out = horovod.run(under_mpi, args=(10,), num_proc=2, executable=mpi_impls.python(impl), **extra)
+    assert out == [(r, 2, 10.0, True, "MpiCollectives") for r in range(2)]
+
+
 def test_argument_errors():
     with pytest.raises(ValueError, match="hosts and hostfile"):
         horovod.run(print, hosts="localhost:1", hostfile="h")
     with pytest.raises(ValueError, match="use_gloo and use_mpi"):
         horovod.run(print, use_gloo=True, use_mpi=True)
+    with pytest.raises(ValueError, match="elastic jobs run on horovodrun's own launcher"):
+        horovod.run(print, use_mpi=True, min_num_proc=1)
     with pytest.raises(TypeError, match="unexpected arguments no_such_flag"):
         horovod.run(print, no_such_flag=1)
     with pytest.raises(TypeError, match="callable"):

@@ -373,6 +373,13 @@ class Config:
     rendezvous_port: int = _knob(
         "HOROVOD_GLOO_RENDEZVOUS_PORT", -1, "Port of the rendezvous store (set by horovodrun)."
     )
+    run_func_store: str = _knob(
+        "HOROVOD_RUN_FUNC_STORE",
+        "",
+        "host:port of the store horovod.run's function and results travel through, where it is "
+        "not the job's rendezvous store (set by horovodrun for horovod.run(use_mpi=True), whose "
+        "ranks start up on rank 0's store). Unset: the rendezvous store.",
+    )
     rendezvous_scope: str = _knob(
         "HOROVOD_RENDEZVOUS_SCOPE",
         "",

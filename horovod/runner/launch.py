@@ -400,7 +400,7 @@ def main(
     except (OSError, ValueError, DiscoveryError) as e:
         return _error(str(e))
     if a.mpi:
-        return _run_mpi(a, hosts, command)
+        return _run_mpi(a, hosts, command, seed, harvest)
     try:
         keepalive = setting("ssh_keepalive_seconds")
         grace = setting("stop_grace_seconds")
@@ -546,8 +546,16 @@ def main(
     return status
 
 
-def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
-    """``--mpi``: the installed mpirun starts the workers (``horovod.runner.mpi_run``)."""
+def _run_mpi(
+    a: argparse.Namespace,
+    hosts: list,
+    command: list[str],
+    seed: dict[tuple[str, str], bytes] | None = None,
+    harvest: Callable[[RendezvousServer], None] | None = None,
+) -> int:
+    """``--mpi``: the installed mpirun starts the workers (``horovod.runner.mpi_run``). With
+    ``seed``/``harvest`` (``horovod.run(use_mpi=True)``), a store of the launcher's for them, as
+    on its own launcher (the ranks start up on rank 0's, as under any mpirun)."""
     try:
         mpirun = mpi_run.find_mpirun()
         impl = mpi_run.implementation(mpirun)
@@ -555,6 +563,22 @@ def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
         return _error(str(e))
     nics = [n.strip() for item in (a.nics or []) for n in item.split(",") if n.strip()]
     env = mpi_run.worker_env(ssh.exportable(os.environ), env_from_args(a))
+    server = None
+    if seed is not None or harvest is not None:
+        remote = [h for h in dict.fromkeys(h.hostname for h in hosts) if not is_local(h)]
+        try:
+            addr = ssh.launcher_address(remote, nics) if remote else "127.0.0.1"
+        except (OSError, ValueError) as e:
+            return _error(f"cannot choose the address workers reach the launcher at: {e}")
+        secret = make_secret()
+        server = RendezvousServer(
+            bytes.fromhex(secret), host="127.0.0.1" if addr == "127.0.0.1" else "0.0.0.0"
+        ).start()
+        for (scope, key), value in (seed or {}).items():
+            server.put(scope, key, value)
+        # (run_task's store; rank 0 serves the job's rendezvous, with the same secret)
+        env["HOROVOD_RUN_FUNC_STORE"] = f"{addr}:{server.port}"
+        env["HOROVOD_SECRET_KEY"] = secret
     env_names = [k for k in env if not mpi_run.LAUNCHER_OWN.match(k)]
     env.update(mpi_run.launcher_env(impl, a.ssh_port, a.ssh_identity_file))
     hostfile = mpi_run.write_hostfile(hosts) if impl == mpi_run.MPICH else None
@@ -574,12 +598,17 @@ def _run_mpi(a: argparse.Namespace, hosts: list, command: list[str]) -> int:
             as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
             hostfile=hostfile,
         )
-        return mpi_run.run(
+        status = mpi_run.run(
             argv, env, a.verbose, a.output_filename, a.np, a.prefix_output_with_timestamp
         )
+        if server is not None and harvest is not None:
+            harvest(server)
+        return status
     finally:
         if hostfile is not None:
             os.unlink(hostfile)
+        if server is not None:
+            server.stop()
 
 
 def run_commandline() -> None:  # upstream's entry point name

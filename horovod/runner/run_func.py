@@ -3,9 +3,11 @@
 The function and its arguments are cloudpickled into the job's rendezvous store (every request
 authenticated with the job secret, so ranks on other hosts need no shared file system);
 horovodrun starts ``python -m horovod.runner.run_task`` on every slot; each rank fetches the
-function, calls it and stores its result. The caller gets the list of return values in rank order, or the first
-failure re-raised: the rank's own exception, chained to a ``RemoteTraceback`` that carries the
-rank's traceback text (as ``concurrent.futures`` does for process pools).
+function, calls it and stores its result. The caller gets the list of return values in rank
+order, or the first failure re-raised: the rank's own exception, chained to a
+``RemoteTraceback`` that carries the rank's traceback text (as ``concurrent.futures`` does for
+process pools). ``use_mpi=True`` (or ``mpi_args``) starts the ranks with the installed mpirun
+instead (``horovodrun --mpi``), the launcher still serving the store.
 
 Must not touch: the training runtime in this process (the function runs in the workers).
 """
@@ -94,18 +96,19 @@ def run(
         raise ValueError("Argument hosts and hostfile only allow one provided.")
     if use_gloo and use_mpi:
         raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
-    if use_mpi or mpi_args:
-        raise ValueError(
-            "horovod.run(use_mpi=True/mpi_args=...) is not supported: the function and its "
-            "results travel through horovodrun's own launcher. Run a script with "
-            "`horovodrun --mpi` for MPI, or leave use_mpi/mpi_args unset"
-        )
     elastic = min_num_proc is not None or host_discovery_script is not None
+    if (use_mpi or mpi_args) and elastic:
+        raise ValueError(
+            "horovod.run: elastic jobs run on horovodrun's own launcher, not under mpirun: "
+            "leave use_mpi/mpi_args unset"
+        )
     if num_proc is None:
         num_proc = min_num_proc if elastic and min_num_proc is not None else 1
     if not callable(func):
         raise TypeError(f"horovod.run: func must be callable, got {type(func).__name__}")
     argv = ["-np", str(num_proc)]
+    if use_mpi or mpi_args:  # (the installed mpirun starts the ranks: horovodrun --mpi)
+        argv += ["--mpi"] + ([f"--mpi-args={mpi_args}"] if mpi_args else [])
     if hosts:
         argv += ["-H", hosts]
     if hostfile:

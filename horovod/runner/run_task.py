@@ -45,12 +45,16 @@ def _store():
     from horovod.rendezvous.store import HTTPStoreClient
 
     cfg = Config.from_env()
-    if not cfg.rendezvous_addr or cfg.rendezvous_port <= 0 or not cfg.secret_key:
+    addr, port = cfg.rendezvous_addr, cfg.rendezvous_port
+    if cfg.run_func_store:  # (under mpirun: the launcher's store, beside rank 0's rendezvous)
+        addr, _, at = cfg.run_func_store.rpartition(":")
+        port = int(at) if at.isdigit() else -1
+    if not addr or port <= 0 or not cfg.secret_key:
         raise SystemExit(
             "horovod.runner.run_task runs under horovod.run() (which starts horovodrun), not "
             "on its own"
         )
-    return HTTPStoreClient(cfg.rendezvous_addr, cfg.rendezvous_port, bytes.fromhex(cfg.secret_key))
+    return HTTPStoreClient(addr, port, bytes.fromhex(cfg.secret_key))
 
 
 def main(argv: list[str]) -> int:
