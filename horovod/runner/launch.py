@@ -434,12 +434,7 @@ def main(
         except (OSError, ValueError) as e:
             return _error(f"cannot choose the address workers reach the launcher at: {e}")
 
-    secret = make_secret()
-    server = RendezvousServer(
-        bytes.fromhex(secret), host="127.0.0.1" if addr == "127.0.0.1" else "0.0.0.0"
-    ).start()
-    for (scope, key), value in (seed or {}).items():
-        server.put(scope, key, value)
+    secret, server = _store(addr, seed)
     base = ssh.exportable(os.environ)
     base.update(env_from_args(a))
     base.update(
@@ -546,6 +541,17 @@ def main(
     return status
 
 
+def _store(addr: str, seed: dict[tuple[str, str], bytes] | None) -> tuple[str, RendezvousServer]:
+    """The job's secret and the launcher's store (reached at ``addr``), holding ``seed``."""
+    secret = make_secret()
+    server = RendezvousServer(
+        bytes.fromhex(secret), host="127.0.0.1" if addr == "127.0.0.1" else "0.0.0.0"
+    ).start()
+    for (scope, key), value in (seed or {}).items():
+        server.put(scope, key, value)
+    return secret, server
+
+
 def _run_mpi(
     a: argparse.Namespace,
     hosts: list,
@@ -570,12 +576,7 @@ def _run_mpi(
             addr = ssh.launcher_address(remote, nics) if remote else "127.0.0.1"
         except (OSError, ValueError) as e:
             return _error(f"cannot choose the address workers reach the launcher at: {e}")
-        secret = make_secret()
-        server = RendezvousServer(
-            bytes.fromhex(secret), host="127.0.0.1" if addr == "127.0.0.1" else "0.0.0.0"
-        ).start()
-        for (scope, key), value in (seed or {}).items():
-            server.put(scope, key, value)
+        secret, server = _store(addr, seed)
         # (run_task's store; rank 0 serves the job's rendezvous, with the same secret)
         env["HOROVOD_RUN_FUNC_STORE"] = f"{addr}:{server.port}"
         env["HOROVOD_SECRET_KEY"] = secret
