@@ -6,12 +6,11 @@ forwards, not each line (its ``-l``), so ranks that print at once (they run unbu
 ``print`` is a write per word) had their words interleaved within lines. Under Hydra,
 horovodrun asks for labels that no program prints (``HYDRA_LABEL``), puts each rank's lines
 back together (``HydraOutput``) and prefixes them as its own launcher does
-(``[<rank>]<stdout>:``). ``--prefix-output-with-timestamp`` puts the time before each rank's
-line under every MPI, as on horovodrun's own launcher. With ``--output-filename DIR``, each
-rank's lines also go to
-``DIR/rank.<N>/stdout`` and ``stderr``, as on horovodrun's own launcher, whichever the MPI
-(Open MPI 5's ``--output-filename`` names its files otherwise; Hydra's patterns need their
-directories made first).
+(``[<rank>]<stdout>:``). As on horovodrun's own launcher, whichever the MPI:
+``--prefix-output-with-timestamp`` puts the time before each rank's line, and with
+``--output-filename DIR`` each rank's lines also go to ``DIR/rank.<N>/stdout`` and ``stderr``
+(Open MPI 5's own ``--output-filename`` names its files otherwise; Hydra's file patterns need
+their directories made first).
 
 Must not touch: the ranks' output beyond the labels and tags it reads.
 """

@@ -3,9 +3,10 @@ process launcher, as upstream's MPI launcher does.
 
 ``implementation`` tells Open MPI (and IBM Spectrum MPI, its derivative) from MPICH and Intel
 MPI (both Hydra) by ``mpirun --version``; ``command`` builds that implementation's command
-line: the processes and hosts (under Hydra a machine file, ``write_hostfile``), no CPU binding (Horovod's engine thread would share the training
-thread's core), ssh options, the network interfaces, ``--tcp``, every
-exportable variable of the launching environment (``-x NAME`` / ``-genvlist``), the user's
+line: the processes and hosts (under Hydra a machine file, ``write_hostfile``), no CPU binding
+(Horovod's engine thread would share the training thread's core), ssh options (under Hydra in
+mpirun's environment, ``launcher_env``), the network interfaces, ``--tcp``, every exportable
+variable of the launching environment (``-x NAME`` / ``-genvlist``), the user's
 ``--mpi-args``, then the training command. The workers start over MPI (rank 0 serves the
 rendezvous and tells the others over MPI, ``horovod.core.mpi_world``), and the data moves
 through MPI unless the environment says ``HOROVOD_CPU_OPERATIONS=gloo``.
