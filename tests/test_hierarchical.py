@@ -19,6 +19,13 @@ LAYOUTS = [
     ["a", "a", "a", "b"],  # uneven
     ["a", "b", "a", "b", "c"],  # interleaved (ranks of a host not contiguous), three hosts
 ]
+# Hosts of as many ranks each (the pipelined allreduce's layouts)
+EVEN = [
+    ["a", "a", "b", "b"],
+    ["a", "b", "a", "b"],  # interleaved
+    ["a", "a", "a", "b", "b", "b"],  # three parts folded within a host
+    ["a", "b", "c", "c", "b", "a"],  # three hosts, the ranks of each in another order
+]
 
 
 @pytest.fixture
@@ -174,3 +181,155 @@ def test_over_shared_memory_within_hosts_and_tcp_across(hierarchical):
         assert np.array_equal(np.frombuffer(out[0][0], np.float32), want)
     finally:
         _close(ts)
+
+
+@pytest.fixture
+def pipelined(hierarchical, monkeypatch):
+    """Pieces of 256 bytes, so that small buffers run the pipeline; counts its runs."""
+    monkeypatch.setattr(alg, "HIERARCHICAL_PIECE_BYTES", 256)
+    runs = []
+    real = alg._hierarchical_pipeline
+
+    def counted(t, buf, op, scratch, hosts, post, pieces, src=None):
+        runs.append(pieces)
+        return real(t, buf, op, scratch, hosts, post, pieces, src)
+
+    monkeypatch.setattr(alg, "_hierarchical_pipeline", counted)
+    return runs
+
+
+@pytest.mark.parametrize("hosts", EVEN, ids=lambda h: "".join(h))
+@pytest.mark.parametrize("elems", [64, 300, 1000, 100_003])
+def test_pipelined_matches_numpy_and_the_flat_algorithms(hosts, elems, pipelined, monkeypatch):
+    """Pieces in flight at four stages (reduce within the host, the leaders' reduce-scatter and
+    allgather, the host's broadcast), over every layout and a piece count from 2 to the most."""
+    n = len(hosts)
+    ts = _loopback(hosts)
+    hier = _run(ts, _collectives(elems))
+    # (each allreduce of 4- and 8-byte elements: as many pieces as 256 bytes fit, at least 2,
+    # at most 64)
+    want_pieces = [min(alg.HIERARCHICAL_PIECES, max(2, elems * size // 256)) for size in (4, 8)]
+    assert pipelined == [p for p in want_pieces for _ in range(n)]
+    monkeypatch.setattr(alg, "HIERARCHICAL_ALLREDUCE", False)
+    monkeypatch.setattr(alg, "HIERARCHICAL_ALLGATHER", False)
+    flat = _run(ts, _collectives(elems))
+    want_x = sum((np.arange(elems) % 11 + 3 * k).astype(np.float32) for k in range(n))
+    for r in range(n):
+        assert hier[r] == flat[r]
+        assert np.array_equal(np.frombuffer(hier[r][0], np.float32), want_x)
+        assert np.array_equal(np.frombuffer(hier[r][1], np.int64), np.arange(elems) % 5)
+
+
+@pytest.mark.parametrize("hosts", EVEN, ids=lambda h: "".join(h))
+def test_pipelined_average_and_float_sums_are_the_same_bits_everywhere(hosts, pipelined):
+    n = len(hosts)
+    ts = _loopback(hosts)
+    rng = np.random.default_rng(7)
+    data = [rng.standard_normal(20_011).astype(np.float32) * 1e3 for _ in hosts]
+    post = alg.average_post(1.0, n)
+
+    def fn(r, t):
+        x = data[r].copy()
+        alg.allreduce(t, x, np.add, Scratch(), post)
+        return x.tobytes()
+
+    out = _run(ts, fn)
+    assert pipelined and len(set(out)) == 1
+    np.testing.assert_allclose(
+        np.frombuffer(out[0], np.float32), sum(data) / n, rtol=1e-4, atol=1e-2
+    )
+
+
+def test_pipelined_gives_the_unpipelined_bits_with_two_ranks_per_host(pipelined, monkeypatch):
+    """Two ranks a host, two hosts: every fold has two operands, so the pipeline's results are
+    the bits the three steps one after the other gave (checkpoints do not change with it)."""
+    hosts = ["a", "a", "b", "b"]
+    ts = _loopback(hosts)
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal(300_007).astype(np.float32) for _ in hosts]
+
+    def fn(r, t):
+        x = data[r].copy()
+        alg.allreduce(t, x, np.add, Scratch(), 0.25)
+        return x.tobytes()
+
+    monkeypatch.setattr(alg, "HIERARCHICAL_PIECES", 1)  # (HOROVOD_HIERARCHICAL_ALLREDUCE_PIECES=1)
+    before = _run(ts, fn)
+    assert pipelined == []
+    monkeypatch.setattr(alg, "HIERARCHICAL_PIECES", 64)
+    after = _run(ts, fn)
+    assert pipelined == [64] * 4
+    assert len(set(after)) == 1 and after == before
+
+
+def test_pipeline_needs_an_element_per_rank_in_every_piece(pipelined, monkeypatch):
+    """Fewer elements than pieces x ranks: the three steps one after the other."""
+    monkeypatch.setattr(alg, "HIERARCHICAL_PIECE_BYTES", 8)
+    ts = _loopback(["a", "b", "a", "b"])
+
+    def fn(r, t):
+        x = np.full(5, float(r), np.float64)  # 5 pieces of one element, 4 ranks
+        alg.allreduce(t, x, np.add, Scratch())
+        return x.tobytes()
+
+    out = _run(ts, fn)
+    assert pipelined == [] and len(set(out)) == 1
+    assert np.frombuffer(out[0], np.float64).tolist() == [6.0] * 5
+
+
+@pytest.mark.parametrize("hosts", [LAYOUTS[1], LAYOUTS[2]], ids=lambda h: "".join(h))
+def test_hosts_of_different_sizes_take_the_three_steps(pipelined, hosts):
+    ts = _loopback(hosts)
+    out = _run(ts, _collectives(100_003))
+    want = sum((np.arange(100_003) % 11 + 3 * k).astype(np.float32) for k in range(len(hosts)))
+    assert pipelined == [] and len({o[0] for o in out}) == 1
+    assert np.array_equal(np.frombuffer(out[0][0], np.float32), want)
+
+
+def test_pipelined_over_shared_memory_within_hosts_and_tcp_across(hierarchical):
+    """The real planes, at the default piece size: 4 MB a rank, 15 pieces in flight."""
+    hosts = ["a", "a", "b", "b"]
+    ts = _create(hosts)
+    try:
+        for t in ts:
+            t.hosts = list(hosts)
+        elems = 1_000_003
+
+        def fn(r, t):
+            x = (np.arange(elems) % 7 + r).astype(np.float32)
+            alg.allreduce(t, x, np.add, Scratch(), 0.5)
+            return x.tobytes()
+
+        out = _run(ts, fn, timeout=60)
+        assert len(set(out)) == 1
+        want = sum((np.arange(elems) % 7 + k).astype(np.float32) for k in range(4)) / 2
+        assert np.array_equal(np.frombuffer(out[0], np.float32), want)
+    finally:
+        _close(ts)
+
+
+@pytest.mark.parametrize("piece_bytes", [256, 1 << 30], ids=["pipelined", "three-steps"])
+@pytest.mark.parametrize(
+    "hosts", [["a", "a", "b", "b"], ["a", "b", "a", "b", "c"], ["a", "b", "c", "a", "b", "c"]]
+)
+def test_result_into_another_buffer_leaves_the_input_alone(
+    hierarchical, monkeypatch, hosts, piece_bytes
+):
+    """``src``: the input stays as it was and the result lands in ``buf``, whichever algorithm
+    runs (the pipeline reads the input piece by piece, the others copy it first)."""
+    monkeypatch.setattr(alg, "HIERARCHICAL_PIECE_BYTES", piece_bytes)
+    ts = _loopback(hosts)
+    elems = 10_007
+
+    def fn(r, t):
+        x = (np.arange(elems) % 13 + r).astype(np.float32)
+        keep = x.copy()
+        out = np.full(elems, np.nan, np.float32)
+        alg.allreduce(t, out, np.add, Scratch(), 0.5, src=x)
+        assert np.array_equal(x, keep)
+        return out.tobytes()
+
+    out = _run(ts, fn)
+    want = sum((np.arange(elems) % 13 + k).astype(np.float32) for k in range(len(hosts))) / 2
+    assert len(set(out)) == 1
+    assert np.array_equal(np.frombuffer(out[0], np.float32), want)

@@ -105,7 +105,7 @@ COLLECTIVES = """
         # (horovodrun --mpi --tcp: what Open MPI, and Hydra's MPIs' network modules, were told)
         "tcp": [os.environ.get(k) for k in ("OMPI_MCA_btl", "UCX_TLS", "FI_PROVIDER")],
     }
-    for elems in (1, 1000, 300_001):
+    for elems in (1, 1000, 300_001, 1_000_003):  # (the last two: pipelined hierarchically)
         x = (np.arange(elems) % 97 + r).astype(np.float32)
         res[f"sum{elems}"] = float(hvd.allreduce(x, op=hvd.Sum, name=f"s{elems}").sum(dtype=np.float64))
         res[f"avg{elems}"] = float(hvd.allreduce(x, name=f"a{elems}")[:50].sum())

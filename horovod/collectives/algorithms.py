@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from horovod.transport.base import Reducer, Scratch, SubTransport, as_bytes
+from horovod.transport.base import Message, Reducer, Scratch, SubTransport, as_bytes
 
 SMALL_BYTES = 128 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
 # Over more than 2 ranks, allreduces from SMALL_BYTES up to this are reduced in rank order
@@ -34,6 +34,12 @@ PIPELINE_BYTES = 1 << 20  # block size of the pipelined chain broadcast
 # HOROVOD_HIERARCHICAL_ALLREDUCE / _ALLGATHER, set at hvd.init() (the same on every rank).
 HIERARCHICAL_ALLREDUCE = False
 HIERARCHICAL_ALLGATHER = False
+# A hierarchical allreduce of at least this many bytes runs as a pipeline over pieces of about
+# this size (at least two), at most HIERARCHICAL_PIECES of them (HOROVOD_HIERARCHICAL_ALLREDUCE_
+# PIECES, set at hvd.init(): ``_hierarchical_pipeline``). Over a 1 Gbit/s link, pieces of 1 MiB
+# kept it busy where 4 MiB ones did not (64 MiB: 566 against 627 ms; the link's own 561).
+HIERARCHICAL_PIECE_BYTES = 1 << 20
+HIERARCHICAL_PIECES = 64
 
 
 class Finish(NamedTuple):
@@ -134,6 +140,7 @@ class Hosts:
         self.local = [r for r, h in enumerate(hosts) if h == hosts[me]]
         self.leaders = list(first.values())
         self.members = {h: [r for r, x in enumerate(hosts) if x == h] for h in first}
+        self.even = len({len(r) for r in self.members.values()}) == 1  # as many ranks a host
         self.local_view: SubTransport | None = None  # set by _hosts()
         self.leaders_view: SubTransport | None = None  # only on a leader
 
@@ -169,10 +176,27 @@ def native(t):
     return getattr(t, "native", None)
 
 
-def allreduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: Post = 1.0) -> None:
+def allreduce(
+    t,
+    buf: np.ndarray,
+    op: Reducer,
+    scratch: Scratch,
+    post: Post = 1.0,
+    src: np.ndarray | None = None,
+) -> None:
     """In-place reduction of ``buf`` (flat) across all ranks of ``t``, the result scaled by
-    ``post`` (``scale``; the ring scales each segment once, as its owner reduces it)."""
+    ``post`` (``scale``; the ring scales each segment once, as its owner reduces it). With
+    ``src`` (flat, ``buf``'s size), this rank's data is there and ``buf`` only receives the
+    result: the hierarchical pipeline copies it piece by piece while the link between hosts
+    is busy (a host's other ranks send straight from it), every other algorithm first."""
     n = t.size
+    if HIERARCHICAL_ALLREDUCE and n > 1 and src is not None and native(t) is None:
+        hosts = _hosts(t)
+        if hosts is not None and _pipelined(buf, hosts):
+            hierarchical_allreduce(t, buf, op, scratch, hosts, post, src)
+            return
+    if src is not None:
+        np.copyto(buf, src)
     if n == 1 or buf.size == 0:
         scale(buf, post)
         return
@@ -245,17 +269,7 @@ def _allreduce_ordered(t, buf: np.ndarray, op: Reducer, scratch: Scratch, post: 
         [(p, as_bytes(theirs[i])) for i, p in enumerate(peers)],
     )
     parts = [theirs[i] for i in range(me)] + [mine] + [theirs[i] for i in range(me, n - 1)]
-    # Into this rank's segment as soon as it is one of the parts folded (element by element,
-    # reading it while writing it is safe); the parts before it fold into rank 0's copy.
-    if me < 2:
-        op(parts[0], parts[1], out=mine)
-    else:
-        acc = parts[0]
-        for part in parts[1:me]:
-            op(acc, part, out=acc)
-        op(acc, mine, out=mine)
-    for part in parts[max(2, me + 1) :]:
-        op(mine, part, out=mine)
+    _fold_into(parts, mine, me, op)
     scale(mine, post)
     t.exchange([(p, as_bytes(mine)) for p in peers], [(p, as_bytes(seg[p])) for p in peers])
 
@@ -376,17 +390,142 @@ def reduce(t, buf: np.ndarray, op: Reducer, scratch: Scratch, root: int) -> None
         t.exchange([(root, seg[me])], [])
 
 
+def _pipelined(buf: np.ndarray, hosts: Hosts) -> int:
+    """The pieces ``hierarchical_allreduce`` pipelines ``buf`` in (0: none, the three steps
+    one after the other): a buffer of at least ``HIERARCHICAL_PIECE_BYTES`` in pieces of
+    about that size, at least two and at most ``HIERARCHICAL_PIECES``, where every host has
+    as many ranks and each piece an element for every rank."""
+    if buf.nbytes < HIERARCHICAL_PIECE_BYTES or not hosts.even:
+        return 0
+    pieces = min(HIERARCHICAL_PIECES, max(2, buf.nbytes // HIERARCHICAL_PIECE_BYTES))
+    return pieces if pieces >= 2 and buf.size >= pieces * len(hosts.hosts) else 0
+
+
 def hierarchical_allreduce(
-    t, buf: np.ndarray, op: Reducer, scratch: Scratch, hosts: Hosts, post: Post = 1.0
+    t,
+    buf: np.ndarray,
+    op: Reducer,
+    scratch: Scratch,
+    hosts: Hosts,
+    post: Post = 1.0,
+    src: np.ndarray | None = None,
 ) -> None:
     """Reduce within each host to its leader (shared memory), allreduce among the leaders
     (across hosts, scaled by ``post`` there), broadcast within each host. Every rank ends
-    with the leaders' result."""
+    with the leaders' result. A buffer of at least ``HIERARCHICAL_PIECE_BYTES``
+    runs the three steps as a pipeline over its pieces (``_pipelined``,
+    ``_hierarchical_pipeline``), which takes this rank's data from ``src`` where given
+    (``allreduce``)."""
+    pieces = _pipelined(buf, hosts)
+    if pieces:
+        _hierarchical_pipeline(t, buf, op, scratch, hosts, post, pieces, src)
+        return
+    if src is not None:
+        np.copyto(buf, src)
     local = hosts.local_view or SubTransport(t, hosts.local)
     reduce(local, buf, op, scratch, root=0)
     if t.rank == hosts.local[0]:
         allreduce(hosts.leaders_view or SubTransport(t, hosts.leaders), buf, op, scratch, post)
     broadcast(local, buf, 0)
+
+
+def _hierarchical_pipeline(
+    t,
+    buf: np.ndarray,
+    op: Reducer,
+    scratch: Scratch,
+    hosts: Hosts,
+    post: Post,
+    pieces: int,
+    src: np.ndarray | None = None,
+) -> None:
+    """``hierarchical_allreduce`` over ``pieces`` pieces of ``buf``, four stages deep, on hosts
+    of m ranks each. Each piece splits into m segments, segment i owned by each host's i-th
+    rank; step s, one exchange, (a) reduce-scatters piece s within each host (the owner folds
+    its host's parts of its segment in rank order), (b) reduce-scatters piece s-1 among the
+    owners of the same segment on every host (each folds its share of it in host order and
+    scales it by ``post``), (c) allgathers piece s-2 among them and (d) allgathers piece s-3
+    within the host. The link between hosts then carries pieces while shared memory moves the
+    others, where the three steps one after the other left it idle during the steps within
+    the hosts (10-15% of a link-bound 16 MiB allreduce, docs/benchmarks.md); and every rank
+    of a host, not only its first, moves and folds its share (m connections across, each
+    with the ring's share: 2(L-1)/L of its segment for L hosts). Every element is folded once,
+    by one rank, in rank order within the host then host order, so every rank ends with the
+    same bits. With ``src`` (this rank's data; ``buf`` only receives), each rank copies only
+    its own segment into ``buf`` and sends the others straight from ``src``."""
+    me = t.rank
+    local = hosts.local
+    li = local.index(me)  # this rank's place on its host: the segment it owns
+    groups = [hosts.members[hosts.hosts[lead]] for lead in hosts.leaders]  # hosts in order
+    hi = hosts.leaders.index(local[0])
+    column = [g[li] for g in groups]  # the owners of the same segment, one per host
+    m, nh = len(local), len(groups)
+    counts = split_even(buf.size, pieces)
+    offs = _offsets(counts)
+    piece = [buf[offs[k] : offs[k] + counts[k]] for k in range(pieces)]
+    data = piece if src is None else [src[offs[k] : offs[k] + counts[k]] for k in range(pieces)]
+    seg, dseg, sub = [], [], []  # by piece: its segments in buf and in data; mine's shares
+    for k in range(pieces):
+        c = _offsets(split_even(counts[k], m)) + [counts[k]]
+        seg.append([piece[k][c[j] : c[j + 1]] for j in range(m)])
+        dseg.append([data[k][c[j] : c[j + 1]] for j in range(m)])
+        h = _offsets(split_even(c[li + 1] - c[li], nh)) + [c[li + 1] - c[li]]
+        sub.append([seg[k][li][h[j] : h[j + 1]] for j in range(nh)])
+    seg_big = max(len(sg[li]) for sg in seg)
+    sub_big = max(len(sb[hi]) for sb in sub)
+    raw = scratch.get(((m - 1) * seg_big + (nh - 1) * sub_big) * buf.itemsize, buf.dtype)
+    at = (m - 1) * seg_big
+    got = [raw[i * seg_big : (i + 1) * seg_big] for i in range(m - 1)]
+    parts = [raw[at + i * sub_big : at + (i + 1) * sub_big] for i in range(nh - 1)]
+    peers = [j for j in range(m) if j != li]  # local places
+    across = [j for j in range(nh) if j != hi]  # hosts
+    for s in range(pieces + 3):
+        sends: list[Message] = []
+        recvs: list[Message] = []
+        a, x1, x2, b = s, s - 1, s - 2, s - 3
+        if a < pieces:  # (a) the host's parts of this rank's segment of piece s
+            mine = seg[a][li]
+            if src is not None:
+                np.copyto(mine, dseg[a][li])
+            sends += [(local[j], as_bytes(dseg[a][j])) for j in peers]
+            recvs += [(local[j], as_bytes(got[i][: len(mine)])) for i, j in enumerate(peers)]
+        if 0 <= x1 < pieces:  # (b) the hosts' sums of this rank's share of piece s-1
+            n_own = len(sub[x1][hi])
+            sends += [(column[j], as_bytes(sub[x1][j])) for j in across]
+            recvs += [(column[j], as_bytes(parts[i][:n_own])) for i, j in enumerate(across)]
+        if 0 <= x2 < pieces:  # (c) the other shares of this rank's segment of piece s-2
+            sends += [(column[j], as_bytes(sub[x2][hi])) for j in across]
+            recvs += [(column[j], as_bytes(sub[x2][j])) for j in across]
+        if 0 <= b < pieces:  # (d) the host's other segments of piece s-3
+            sends += [(local[j], as_bytes(seg[b][li])) for j in peers]
+            recvs += [(local[j], as_bytes(seg[b][j])) for j in peers]
+        t.exchange(sends, recvs)
+        if a < pieces:
+            mine = seg[a][li]
+            ordered = [got[i][: len(mine)] for i in range(li)] + [mine]
+            ordered += [got[i][: len(mine)] for i in range(li, m - 1)]
+            _fold_into(ordered, mine, li, op)
+        if 0 <= x1 < pieces:
+            share = sub[x1][hi]
+            ordered = [parts[i][: len(share)] for i in range(hi)] + [share]
+            ordered += [parts[i][: len(share)] for i in range(hi, nh - 1)]
+            _fold_into(ordered, share, hi, op)
+            scale(share, post)
+
+
+def _fold_into(parts: Sequence[np.ndarray], mine: np.ndarray, me: int, op: Reducer) -> None:
+    """``mine`` (``parts[me]``) becomes the fold of ``parts`` in order: into ``mine`` as soon
+    as it is one of the parts folded (element by element, reading it while writing it is
+    safe); the parts before it fold into ``parts[0]``, which is clobbered."""
+    if me < 2:
+        op(parts[0], parts[1], out=mine)
+    else:
+        acc = parts[0]
+        for part in parts[1:me]:
+            op(acc, part, out=acc)
+        op(acc, mine, out=mine)
+    for part in parts[max(2, me + 1) :]:
+        op(mine, part, out=mine)
 
 
 def hierarchical_allgatherv(t, out: np.ndarray, nbytes: Sequence[int], hosts: Hosts) -> None:

@@ -87,6 +87,14 @@ class Config:
         False,
         "Reduce within each host first, then across hosts (multi-host jobs only).",
     )
+    hierarchical_allreduce_pieces: int = _knob(
+        "HOROVOD_HIERARCHICAL_ALLREDUCE_PIECES",
+        64,
+        "Hierarchical allreduces of at least 1 MiB run as a pipeline over pieces of about 1 MiB "
+        "(at least two), at most this many: the link between hosts carries some pieces while "
+        "shared memory moves others (1: the three steps one after the other).",
+        minimum=1,
+    )
     hierarchical_allgather: bool = _knob(
         "HOROVOD_HIERARCHICAL_ALLGATHER",
         False,

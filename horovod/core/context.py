@@ -301,6 +301,7 @@ def _data_plane_settings(cfg: Config) -> list[tuple[str, object]]:
             "shm_slots",
             "shm_single_copy_bytes",
             "hierarchical_allreduce",
+            "hierarchical_allreduce_pieces",
             "hierarchical_allgather",
         )
     ]
@@ -393,6 +394,7 @@ class Context:
             alg.SMALL_BYTES = cfg.ring_threshold_bytes
             pool.POOL.capacity = cfg.output_pool_bytes if pool._refcounts_are_exact() else 0
             alg.HIERARCHICAL_ALLREDUCE = cfg.hierarchical_allreduce
+            alg.HIERARCHICAL_PIECES = cfg.hierarchical_allreduce_pieces
             alg.HIERARCHICAL_ALLGATHER = cfg.hierarchical_allgather
             if mpi is not None and mpi.data_plane and cfg.size > 1:
                 transport = self._with_mpi(cfg, store, scope, transport, mpi)

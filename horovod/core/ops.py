@@ -127,18 +127,22 @@ def _allreduce(
     reducer = UFUNCS[resp.reduce_op]
     if len(entries) == 1:
         e = entries[0]
+        src = None  # the input, where the algorithm reads it itself (not scaled first)
         if e is None:
             buf = bufs.fusion_view(math.prod(resp.shapes[0]) * dtype.itemsize, dtype)
             buf.fill(0)
         else:
             buf = _flat(e.output)
             if e.output is not e.array:
-                np.copyto(buf, _flat(e.array))
+                if resp.prescale == 1.0:
+                    src = _flat(e.array)
+                else:
+                    np.copyto(buf, _flat(e.array))
         if trace is not _no_trace:
             trace(f"{kind}_ALLREDUCE")
         if resp.prescale != 1.0:
             scale(buf, resp.prescale)
-        alg.allreduce(t, buf, reducer, bufs.scratch, post)
+        alg.allreduce(t, buf, reducer, bufs.scratch, post, src)
         return [None if e is None else e.output]
     counts = [math.prod(s) for s in resp.shapes]
     total = sum(counts)
