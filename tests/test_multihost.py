@@ -221,23 +221,35 @@ def test_training_example_across_hosts(net, workdir):
 
 
 KILLED = """
-    import os, signal, time
+    import os, signal, threading, time
     import numpy as np
     import horovod.numpy as hvd
     hvd.init()
     hvd.allreduce(np.ones(3), name="warm")
     print("rank", hvd.rank(), "ready", flush=True)
-    if hvd.rank() == 3:
+
+    def die():
         print("rank 3 about to die", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    if hvd.rank() == 3:  # (while the ranks are in their allreduces: in the middle of one)
+        threading.Timer(0.3, die).start()
     while True:
-        hvd.allreduce(np.ones(3), name="loop")
+        hvd.allreduce(np.ones(ELEMS), name="loop")
         time.sleep(0.01)
 """
 
 
-def test_a_worker_killed_on_the_remote_host_stops_the_job_with_a_root_cause(net, workdir):
-    r, marker = _horovodrun(net, ["-np", "4", "-H", "hostA:2,hostB:2"], KILLED, workdir)
+@pytest.mark.parametrize(
+    "flags, elems",
+    [([], 3), (["--hierarchical-allreduce"], 1 << 20)],  # (8 MB: 8 pieces in the pipeline)
+    ids=["flat", "hierarchical-pipelined"],
+)
+def test_a_worker_killed_on_the_remote_host_stops_the_job_with_a_root_cause(
+    net, workdir, flags, elems
+):
+    script = KILLED.replace("ELEMS", str(elems))
+    r, marker = _horovodrun(net, ["-np", "4", "-H", "hostA:2,hostB:2", *flags], script, workdir)
     assert r.returncode != 0
     tail = r.stderr.strip().splitlines()
     report = "\n".join(tail[-12:])
