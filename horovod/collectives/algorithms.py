@@ -412,10 +412,10 @@ def hierarchical_allreduce(
 ) -> None:
     """Reduce within each host to its leader (shared memory), allreduce among the leaders
     (across hosts, scaled by ``post`` there), broadcast within each host. Every rank ends
-    with the leaders' result. A buffer of at least ``HIERARCHICAL_PIECE_BYTES``
-    runs the three steps as a pipeline over its pieces (``_pipelined``,
-    ``_hierarchical_pipeline``), which takes this rank's data from ``src`` where given
-    (``allreduce``)."""
+    with the leaders' result. A buffer of at least ``HIERARCHICAL_PIECE_BYTES`` on hosts of
+    as many ranks each instead runs the same three levels as a pipeline over its pieces, in
+    which every rank of a host owns a segment (``_pipelined``, ``_hierarchical_pipeline``);
+    it takes this rank's data from ``src`` where given (``allreduce``)."""
     pieces = _pipelined(buf, hosts)
     if pieces:
         _hierarchical_pipeline(t, buf, op, scratch, hosts, post, pieces, src)
