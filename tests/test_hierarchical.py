@@ -6,6 +6,8 @@ interleaved and of one rank per host."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -169,18 +171,24 @@ def test_reduce_to_any_root(hierarchical):
         assert np.array_equal(got, 3 * (np.arange(elems) % 3) + 3.0)
 
 
-def test_over_shared_memory_within_hosts_and_tcp_across(hierarchical):
-    hosts = ["a", "a", "b", "b"]
+@contextlib.contextmanager
+def _planes(hosts):
+    """Ranks on ``hosts`` over the real planes: shared memory within a host, TCP across."""
     ts = _create(hosts)
     try:
         for t in ts:
             t.hosts = list(hosts)
-        out = _run(ts, _collectives(100_003), timeout=60)
-        assert len(set(out)) == 1
-        want = sum((np.arange(100_003) % 11 + 3 * k).astype(np.float32) for k in range(4))
-        assert np.array_equal(np.frombuffer(out[0][0], np.float32), want)
+        yield ts
     finally:
         _close(ts)
+
+
+def test_over_shared_memory_within_hosts_and_tcp_across(hierarchical):
+    with _planes(["a", "a", "b", "b"]) as ts:
+        out = _run(ts, _collectives(100_003), timeout=60)
+    assert len(set(out)) == 1
+    want = sum((np.arange(100_003) % 11 + 3 * k).astype(np.float32) for k in range(4))
+    assert np.array_equal(np.frombuffer(out[0][0], np.float32), want)
 
 
 @pytest.fixture
@@ -286,26 +294,21 @@ def test_hosts_of_different_sizes_take_the_three_steps(pipelined, hosts):
     assert np.array_equal(np.frombuffer(out[0][0], np.float32), want)
 
 
-def test_pipelined_over_shared_memory_within_hosts_and_tcp_across(hierarchical):
-    """The real planes, at the default piece size: 4 MB a rank, 15 pieces in flight."""
-    hosts = ["a", "a", "b", "b"]
-    ts = _create(hosts)
-    try:
-        for t in ts:
-            t.hosts = list(hosts)
-        elems = 1_000_003
+def test_pipelined_over_shared_memory_within_hosts_and_tcp_across(pipelined, monkeypatch):
+    """The real planes at the default piece size: 10 MB a rank, 9 pieces, four in flight."""
+    monkeypatch.setattr(alg, "HIERARCHICAL_PIECE_BYTES", 1 << 20)
+    elems = 2_500_003
 
-        def fn(r, t):
-            x = (np.arange(elems) % 7 + r).astype(np.float32)
-            alg.allreduce(t, x, np.add, Scratch(), 0.5)
-            return x.tobytes()
+    def fn(r, t):
+        x = (np.arange(elems) % 7 + r).astype(np.float32)
+        alg.allreduce(t, x, np.add, Scratch(), 0.5)
+        return x.tobytes()
 
+    with _planes(["a", "a", "b", "b"]) as ts:
         out = _run(ts, fn, timeout=60)
-        assert len(set(out)) == 1
-        want = sum((np.arange(elems) % 7 + k).astype(np.float32) for k in range(4)) / 2
-        assert np.array_equal(np.frombuffer(out[0], np.float32), want)
-    finally:
-        _close(ts)
+    assert pipelined == [9] * 4 and len(set(out)) == 1
+    want = sum((np.arange(elems) % 7 + k).astype(np.float32) for k in range(4)) / 2
+    assert np.array_equal(np.frombuffer(out[0], np.float32), want)
 
 
 @pytest.mark.parametrize("piece_bytes", [256, 1 << 30], ids=["pipelined", "three-steps"])
