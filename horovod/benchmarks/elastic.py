@@ -56,7 +56,12 @@ class Campaign:
         self.events: list[tuple[float, str]] = []
 
     def write_hosts(self) -> None:
-        self.hosts_file.write_text("".join(f"{h}:2\n" for h in self.listed))
+        """The discovery script's hosts, replaced in one step: a ``cat`` of a file being
+        rewritten in place could read it empty, a discovery of no hosts at all, which ends
+        the job (no worker left to hand the state over)."""
+        part = self.hosts_file.with_suffix(".new")
+        part.write_text("".join(f"{h}:2\n" for h in self.listed))
+        os.replace(part, self.hosts_file)
 
     def lines(self) -> list[list[str]]:
         if not self.log.exists():
