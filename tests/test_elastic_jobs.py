@@ -54,7 +54,9 @@ def run_job(
     timeout: float = 90,
 ) -> Job:
     """Run an elastic job; ``when``: (condition, new hosts-file text) pairs applied in order,
-    a condition being a number of finished batches or the name of a fault that fired."""
+    a condition being a number of finished batches (int), the name of a fault that fired, or
+    seconds since the previous change (float). The hosts file is replaced in one step, so the
+    discovery script never reads it half written."""
     log, out = tmp_path / "log", tmp_path / "out"
     env = dict(os.environ)
     env.update(
@@ -79,15 +81,21 @@ def run_job(
     start = time.monotonic()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pending = list(when or [])
+    changed = start
     try:
         while pending and p.poll() is None:
             cond, text = pending[0]
             done = len(log.read_text().splitlines()) if log.exists() else 0
-            if (isinstance(cond, int) and done >= cond) or (
-                isinstance(cond, str) and (tmp_path / f"fault.{cond}").exists()
+            if (
+                (isinstance(cond, int) and done >= cond)
+                or (isinstance(cond, str) and (tmp_path / f"fault.{cond}").exists())
+                or (isinstance(cond, float) and time.monotonic() - changed >= cond)
             ):
                 assert hosts_file is not None
-                hosts_file.write_text(text)
+                new = hosts_file.with_suffix(".new")
+                new.write_text(text)
+                os.replace(new, hosts_file)
+                changed = time.monotonic()
                 pending.pop(0)
             time.sleep(0.02)
         stdout, stderr = p.communicate(timeout=timeout)
@@ -255,6 +263,44 @@ def test_a_deleted_pod_its_workers_killed_and_its_host_gone(tmp_path):
     )
     assert_trained_once(job, 2, 8, redo_at_most=1)
     assert sizes(job) == [3, 1]
+
+
+def test_a_discovery_that_lists_no_hosts_for_a_moment_costs_one_reset(tmp_path):
+    """A discovery script that printed nothing once (an empty file, a cloud API that timed out)
+    used to end the job, since no worker holding the state was in the next round. The driver
+    now waits for the survivors' hosts to be listed again, and they train on."""
+    hosts, disc = discovery(tmp_path, "localhost:2\n")
+    job = run_job(
+        tmp_path,
+        ["-np", "2", "--min-np", "1", "--elastic-timeout", "30", *disc],
+        batches=24,
+        train=["--step-seconds=0.05"],
+        hosts_file=hosts,
+        when=[(4, ""), (1.0, "localhost:2\n")],
+    )
+    assert_trained_once(job, 2, 24, redo_at_most=0)
+    assert sizes(job) == [2]
+    assert sorted({r for _, _, _, r in job.log}) == [0, 1]  # one reset, the same two workers
+    assert "host discovery no longer lists localhost" in job.err
+    assert "lists the workers' hosts again; round 1 goes on with them" in job.err
+
+
+def test_survivors_hosts_never_listed_again_end_the_job_after_the_elastic_timeout(tmp_path):
+    hosts, disc = discovery(tmp_path, "localhost:2\n")
+    job = run_job(
+        tmp_path,
+        ["-np", "2", "--min-np", "1", "--elastic-timeout", "2", *disc],
+        batches=40,
+        train=["--step-seconds=0.05"],
+        hosts_file=hosts,
+        when=[(4, "127.0.0.1:2\n")],  # (another host: no survivor there)
+    )
+    assert job.rc == 1
+    assert (
+        "host discovery has not listed localhost for 2 s, and the training state lives only "
+        "in the workers of round 0 there (2 alive)" in job.err
+    )
+    assert job.seconds < 30
 
 
 def test_a_blacklisted_host_comes_back_after_its_cooldown(tmp_path):

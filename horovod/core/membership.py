@@ -21,6 +21,10 @@ from horovod.rendezvous import elastic as protocol
 from horovod.rendezvous.store import HTTPStoreClient, Store
 
 Round = protocol.Round
+# How much longer than the elastic timeout a worker waits for its next round: the driver, which
+# waits as long for hosts and knows why none forms, ends the job and says why first; the
+# worker's own limit is for a driver that is gone.
+DRIVER_FIRST_S = 5.0
 _last_round: int | None = None  # the round this process last joined (None: none yet)
 
 
@@ -64,7 +68,12 @@ def join(env: MutableMapping[str, str]) -> tuple[protocol.Round, str]:
     left = cfg.elastic_round - 1 if _last_round is None else _last_round
     try:
         rnd = protocol.join(
-            store_for(cfg), cfg.elastic_slot, left, cfg.elastic_worker_id, cfg.elastic_timeout
+            store_for(cfg),
+            cfg.elastic_slot,
+            left,
+            cfg.elastic_worker_id,
+            cfg.elastic_timeout,
+            margin=DRIVER_FIRST_S,
         )
     except protocol.Removed as e:
         raise WorkerRemoved(str(e)) from None

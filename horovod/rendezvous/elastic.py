@@ -128,13 +128,19 @@ class Removed(Exception):
 
 
 def join(
-    store: Store, slot: str, left: int, worker_id: str, timeout: float, poll: float = 0.02
+    store: Store,
+    slot: str,
+    left: int,
+    worker_id: str,
+    timeout: float,
+    poll: float = 0.02,
+    margin: float = 0.0,
 ) -> Round:
     """Ask for the round after ``left`` and wait for it. Returns the round this slot is a
     member of; raises ``Removed`` if the next round leaves this slot out, and RendezvousError
-    if the driver forms none within ``timeout`` seconds."""
+    if the driver forms none within ``timeout`` (the elastic timeout) + ``margin`` seconds."""
     store.set(SCOPE, f"ready.{slot}", f"{left} {worker_id}".encode())
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + margin
     delay = poll / 4
     while True:
         raw = store.get(SCOPE, "round")

@@ -10,9 +10,10 @@ member leaves it (its collectives failed, or hosts changed at a commit) or dies.
   is stopped and treated as failed, as is one its peers reported as making no progress;
 - the next round takes the usable hosts in their stable order, at most ``max_np`` workers and
   at least ``min_np`` (waiting up to the elastic timeout for enough), and needs a survivor of
-  the previous round to hand over the training state;
-- more than ``reset_limit`` new rounds, no hosts left, or every worker failed ends the job with
-  a message that says which, followed by each failure's last output lines.
+  the previous round to hand over the training state (waiting up to the elastic timeout too
+  while survivors live on hosts that discovery stopped listing: a discovery glitch);
+- more than ``reset_limit`` new rounds, no hosts left, no survivor, or every worker failed ends
+  the job with a message that says which, followed by each failure's last output lines.
 
 The job is done when a member of the current round exits with status 0; the others finish too.
 
@@ -109,6 +110,7 @@ class ElasticDriver:
         self.announced: set[str] = set()  # the membership the last host update announced
         self.broken_at: float | None = None
         self.forming_since: float | None = None
+        self.awaiting_survivors = False  # (warned that discovery lost the survivors' hosts)
         self.resets = 0
         self.failures: list[Failure] = []
         self.finished_by: str | None = None
@@ -287,10 +289,7 @@ class ElasticDriver:
         wanted = self.wanted
         need = self.np if self.generation < 0 else self.min_np
         if self.generation >= 0 and not any(s in self.members for s in wanted):
-            self.error = (
-                f"no worker of round {self.generation} is left to hand over the training "
-                "state (every one failed or was removed); the job cannot go on"
-            )
+            self._await_survivors(now - self.forming_since)
             return
         if len(wanted) < need:
             if self.book.all_blacklisted_for_good() and not self._may_grow():
@@ -349,11 +348,51 @@ class ElasticDriver:
         self.generation, self.members = target, wanted
         self.announced = set(wanted)
         self.broken_at = self.forming_since = None
+        if self.awaiting_survivors:
+            self.awaiting_survivors = False
+            print(
+                f"{self.names['label']}: elastic: host discovery lists the workers' hosts "
+                f"again; round {target} goes on with them",
+                file=sys.stderr,
+                flush=True,
+            )
         for slot, seat in wanted.items():
             w = self.workers[slot]
             w.rank = seat.rank
             self.started.pop(id(w), None)
         self._say(f"round {target}: {len(wanted)} workers on {', '.join(self._hosts_text(wanted))}")
+
+    def _await_survivors(self, waited: float) -> None:
+        """(Forming a round that no worker of the last one would be in.) The training state
+        lives only in those workers. If none is alive, the job cannot go on. If some are, but
+        discovery no longer lists their hosts (a discovery script that printed nothing once,
+        a cloud API that timed out), wait for the hosts to come back, as long as the elastic
+        timeout allows, as upstream waits for slots before it checks for a survivor."""
+        alive = self._alive_members()
+        if not alive:
+            self.error = (
+                f"no worker of round {self.generation} is left to hand over the training "
+                "state (every one failed or was stopped); the job cannot go on"
+            )
+            return
+        hosts = ", ".join(dict.fromkeys(host_of(s) for s in alive))
+        if waited > self.elastic_timeout:
+            self.error = (
+                f"host discovery has not listed {hosts} for {self.elastic_timeout:g} s, and "
+                f"the training state lives only in the workers of round {self.generation} "
+                f"there ({len(alive)} alive); the job cannot go on without them. Check the "
+                f"discovery script's output, or raise {self.names['elastic_timeout']}"
+            )
+        elif not self.awaiting_survivors:
+            print(
+                f"{self.names['label']}: elastic: warning: host discovery no longer lists "
+                f"{hosts}, where the workers of round {self.generation} that hold the training "
+                f"state run; waiting up to {self.elastic_timeout:g} s "
+                f"({self.names['elastic_timeout']}) for it to list them again",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.awaiting_survivors = True
 
     def _may_grow(self) -> bool:
         return self.book.next_resurrection() is not None
