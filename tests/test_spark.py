@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests import mpi_impls
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 pytestmark = [
@@ -125,10 +127,115 @@ def test_more_ranks_than_task_slots_are_refused_at_once(spark):
     with pytest.raises(RuntimeError, match="runs 2 tasks at once"):
         horovod.spark.run(layout_job, args=(1.0,), num_proc=3)
     assert time.monotonic() - t0 < 5
-    with pytest.raises(ValueError, match="use_mpi"):
-        horovod.spark.run(layout_job, use_mpi=True)
+    with pytest.raises(ValueError, match="use_gloo and use_mpi only allow one"):
+        horovod.spark.run(layout_job, use_mpi=True, use_gloo=True)
     with pytest.raises(ValueError, match="num_proc must be at least 1"):
         horovod.spark.run(layout_job, num_proc=0)
+
+
+def mpi_job(scale):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    s = hvd.allreduce(np.full(3, hvd.rank() + 1.0) * scale, op=hvd.Sum, name="spark.mpi.sum")
+    g = hvd.allgather(np.full((hvd.rank() + 1, 2), float(hvd.rank())), name="spark.mpi.gather")
+    extra = os.environ.get("HVD_TEST_EXTRA")
+    return hvd.rank(), hvd.size(), hvd.mpi_enabled(), s.tolist(), g.tolist(), extra
+
+
+def _mpi_processes():
+    import psutil
+
+    marks = ("horovod.spark.mpi_agent", "horovod.runner.run_task", "prted")
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if any(m in part for part in p.info["cmdline"] or [] for m in marks)
+    ]
+
+
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs mpirun and mpi4py (pip install 'pyhorovod[mpi]')",
+)
+def test_use_mpi_starts_the_ranks_with_mpirun_inside_the_tasks(spark):
+    """use_mpi=True: mpirun's daemons run in the Spark tasks (through the remote-shell agent),
+    the data moves through MPI, a failing rank is named, and nothing is left running."""
+    import horovod.spark
+
+    out = horovod.spark.run(
+        mpi_job, args=(2.0,), num_proc=2, use_mpi=True, env={"HVD_TEST_EXTRA": "m"}
+    )
+    gathered = [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert out == [(r, 2, True, [6.0] * 3, gathered, "m") for r in range(2)]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 failed: KeyError: 'bad batch 42'"):
+        horovod.spark.run(failing_job, num_proc=2, extra_mpi_args="--mca btl self,vader,tcp")
+    assert time.monotonic() - t0 < 60
+    deadline = time.monotonic() + 10
+    while _mpi_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _mpi_processes()
+    # the tasks' slots are free again, and the session runs the built-in planes as before
+    assert [r[2] for r in horovod.spark.run(mpi_job, args=(1.0,), num_proc=2)] == [False] * 2
+
+
+HYDRA_SPARK_JOB = """
+import os, sys
+from pyspark.sql import SparkSession
+session = (
+    SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+    .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+    .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"]).getOrCreate()
+)
+session.sparkContext.setLogLevel("ERROR")
+import horovod.spark
+
+
+def mpi_job(scale):
+    import numpy as np
+
+    import horovod.numpy as hvd
+
+    hvd.init()
+    s = hvd.allreduce(np.full(3, hvd.rank() + 1.0) * scale, op=hvd.Sum, name="spark.mpi.sum")
+    g = hvd.allgather(np.full((hvd.rank() + 1, 2), float(hvd.rank())), name="spark.mpi.gather")
+    return hvd.rank(), hvd.size(), hvd.mpi_enabled(), s.tolist(), g.tolist(), None
+
+
+print("RESULT", horovod.spark.run(mpi_job, args=(1.0,), num_proc=2, use_mpi=True))
+session.stop()
+"""
+
+
+@pytest.mark.parametrize(
+    "impl", [pytest.param(i, marks=mpi_impls.needs(i)) for i in ("mpich", "intelmpi")]
+)
+def test_use_mpi_under_hydra(impl, tmp_path):
+    """MPICH's and Intel MPI's mpirun (Hydra) take the agent as ``-launcher-exec``, and call it
+    ssh's way (``-x host command``). Their venvs hold no PySpark: this one's is lent to them."""
+    import py4j
+    import pyspark
+
+    lent = tmp_path / "lent"
+    lent.mkdir()
+    for module in (pyspark, py4j):
+        (lent / module.__name__).symlink_to(os.path.dirname(module.__file__))
+    env = dict(os.environ)
+    env["PATH"] = mpi_impls.path(impl, env.get("PATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join([str(lent), HERE, ROOT])
+    out = subprocess.run(
+        [mpi_impls.python(impl), "-c", HYDRA_SPARK_JOB],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    expected = [(r, 2, True, [3.0] * 3, [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]], None) for r in (0, 1)]
+    assert f"RESULT {expected}" in out.stdout, out.stderr[-3000:]
+    assert not _mpi_processes()
 
 
 def test_without_a_session_run_says_how_to_make_one():

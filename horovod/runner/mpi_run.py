@@ -187,12 +187,13 @@ def run(
     output_dir: str | None = None,
     size: int = 1,
     timestamp: bool = False,
+    label: str = "horovodrun",
 ) -> int:
     """Run mpirun (``size`` ranks); SIGINT/SIGTERM go to it (it stops the ranks). Each rank's
     output as ``mpi_output`` forwards it (after the time, with ``timestamp``; and into
-    ``output_dir``). Its exit status."""
+    ``output_dir``). Its exit status. ``label``: who speaks in the messages."""
     if verbose:
-        print(f"horovodrun: {shlex.join(argv)}", file=sys.stderr)
+        print(f"{label}: {shlex.join(argv)}", file=sys.stderr)
     labelled = HYDRA_LABEL in argv
     pipe = subprocess.PIPE if labelled or output_dir or timestamp else None
     proc = subprocess.Popen(list(argv), env=dict(env), stdout=pipe, stderr=pipe)
@@ -214,8 +215,8 @@ def run(
             signal.signal(s, h)
     if status != 0:
         print(
-            f"horovodrun: mpirun exited with status {status} (its report above names the "
-            "rank that failed first)",
+            f"{label}: mpirun exited with status {status} (its report above names the rank "
+            "that failed first)",
             file=sys.stderr,
         )
     return 1 if status < 0 else status

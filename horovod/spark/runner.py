@@ -14,6 +14,9 @@ and the failing rank's Horovod shutdown ends the collectives they wait in), and 
 ``RuntimeError`` naming the rank and the exception. A cluster with fewer free task slots than
 ``num_proc`` cannot start a barrier stage; Spark refuses it at once, and ``run`` says so.
 
+``use_mpi=True`` (or ``extra_mpi_args``): the ranks start under the installed mpirun inside
+the tasks instead (``horovod.spark.mpi_job``).
+
 Must not touch: the training runtime in the driver (it imports no framework; the tasks import
 what ``fn`` imports).
 """
@@ -107,11 +110,9 @@ def run(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks (default: the context's
     ``defaultParallelism``) as one Horovod job; the return values by rank."""
-    if use_mpi or extra_mpi_args:
-        raise ValueError(
-            "horovod.spark.run(use_mpi=True/extra_mpi_args=...) is not supported: the tasks "
-            "start through Spark; leave them unset"
-        )
+    mpi = bool(use_mpi or extra_mpi_args)
+    if mpi and use_gloo:
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
     if not callable(fn):
         raise TypeError(f"horovod.spark.run: fn must be callable, got {type(fn).__name__}")
     sc = spark_context()
@@ -127,8 +128,27 @@ def run(
             f"{slots} or give the cluster more cores (executors x spark.executor.cores)"
         )
     timeout = setting("spark_start_timeout") if start_timeout is None else start_timeout
-    secret = make_secret()
     addr, listen = _driver_address(sc)
+    if mpi:  # (the ranks under the installed mpirun, inside the tasks: ``mpi_job``)
+        from horovod.spark import mpi_job
+
+        return mpi_job.run(
+            sc,
+            fn,
+            tuple(args),
+            dict(kwargs or {}),
+            n,
+            addr=addr,
+            listen=listen,
+            start_timeout=timeout,
+            mpi_args=extra_mpi_args,
+            env=env,
+            nics=nics,
+            executable=executable,
+            verbose=verbose,
+            timestamp=prefix_output_with_timestamp,
+        )
+    secret = make_secret()
     server = RendezvousServer(bytes.fromhex(secret), host=listen).start()
     job_env = job_environment(addr, server.port, secret, nics, env)
     job_env["HOROVOD_START_TIMEOUT"] = str(int(timeout))
