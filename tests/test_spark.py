@@ -182,6 +182,16 @@ def test_use_mpi_starts_the_ranks_with_mpirun_inside_the_tasks(spark):
     assert [r[2] for r in horovod.spark.run(mpi_job, args=(1.0,), num_proc=2)] == [False] * 2
 
 
+def test_use_mpi_without_mpirun_says_what_to_install(spark, monkeypatch):
+    import horovod.spark
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(
+        RuntimeError, match=r"needs an mpirun on the driver's PATH.*pyhorovod\[mpi\]"
+    ):
+        horovod.spark.run(mpi_job, args=(1.0,), num_proc=2, use_mpi=True)
+
+
 HYDRA_SPARK_JOB = """
 import os, sys
 from pyspark.sql import SparkSession

@@ -63,9 +63,13 @@ def host_index(name: str) -> int | None:
 
 
 def store_from_env(environ: Mapping[str, str]) -> HTTPStoreClient:
-    """The driver's store, as a rank or the agent finds it (``HOROVOD_RUN_FUNC_STORE``)."""
-    addr, _, port = environ.get("HOROVOD_RUN_FUNC_STORE", "").rpartition(":")
-    secret = environ.get("HOROVOD_SECRET_KEY", "")
+    """The driver's store, as the agent finds it in mpirun's environment (the ranks'
+    ``HOROVOD_RUN_FUNC_STORE`` and job secret)."""
+    from horovod.common.config import Config
+
+    cfg = Config.from_env(environ)
+    addr, _, port = cfg.run_func_store.rpartition(":")
+    secret = cfg.secret_key
     if not addr or not port.isdigit() or not secret:
         raise SystemExit(
             "horovod.spark.mpi_agent is mpirun's remote shell under "
@@ -96,6 +100,13 @@ def run(
     try:
         mpirun = mpi_run.find_mpirun()
         impl = mpi_run.implementation(mpirun)
+    except mpi_run.MpiNotFound:
+        raise RuntimeError(
+            "horovod.spark.run(use_mpi=True) needs an mpirun on the driver's PATH, and none was "
+            "found. Install MPI with `pip install 'pyhorovod[mpi]'` (Open MPI and mpi4py from "
+            "PyPI) on the driver and the executors, or your site's MPI, or leave use_mpi unset "
+            "to run on the built-in planes"
+        ) from None
     except RuntimeError as e:
         raise RuntimeError(f"horovod.spark.run(use_mpi=True): {e}") from None
     python = executable or sys.executable
