@@ -572,7 +572,7 @@ def _shm_engines(n: int, **kw):
     ]
     for e in engines:
         # (the data rounds' allreduce budget these tests' sizes were chosen against; by
-        # default 2 ranks carry up to 1 MiB: test_the_allreduce_budget_of_a_data_round...)
+        # default 2 ranks carry up to 2 MiB: test_the_allreduce_budget_of_a_data_round...)
         e.round_budget = 16384
         e.start()
     return engines
@@ -1028,10 +1028,10 @@ def test_express_broadcasts_too_large_for_a_data_round_run_on_the_data_plane(n):
         def rank(r, eng):
             for step in range(12):
                 root = step % n
-                x = np.full(300_000, 10 * r + step, np.int32)  # 1.2 MB: past the board
+                x = np.full(600_000, 10 * r + step, np.int32)  # 2.4 MB: past the board
                 out, _ = _sync(eng, BROADCAST, f"b{root}", x, x, root=root)
                 assert out is x and (x == 10 * root + step).all(), (r, step)
-                y = np.full(300_000, 10 * r + step, np.int32)
+                y = np.full(600_000, 10 * r + step, np.int32)
                 got, _ = _sync(eng, BROADCAST, f"c{root}", y, None, root=root)
                 assert got is not y and (got == 10 * root + step).all(), (r, step)
                 assert (y == 10 * r + step).all()  # the input of a new-array broadcast

@@ -19,8 +19,8 @@ round is faster), with their range. "engine" says which way the engine takes the
 Only sizes within the board's room can take a data round (a larger post would be malformed to
 the peers); larger ones are skipped.
 
-Must not touch: the runtime beyond switching the engine's two size limits (``board_data``,
-``round_budget``) between blocks, which every rank does at the same call.
+Must not touch: the runtime beyond switching the engine's size limits (``board_data``,
+``round_budget``, ``round_broadcast``) between blocks, which every rank does at the same call.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def worker(sizes: list[int], blocks: int, calls: int) -> dict:
     engine = running_engine()
     n, me = hvd.size(), hvd.rank()
     room = engine.board_data  # (0: this job has no board)
-    limits = {"data": (room, room), "plane": (0, 0)}
-    engine_pick = (engine.board_data, engine.round_budget)
+    limits = {"data": (room, room, room), "plane": (0, 0, 0)}
+    engine_pick = (engine.board_data, engine.round_budget, engine.round_broadcast)
     out: dict = {"room": room, "budget": engine.round_budget, "skipped": []}
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
@@ -75,7 +75,7 @@ def worker(sizes: list[int], blocks: int, calls: int) -> dict:
             for b in range(blocks):
                 for way in ("data", "plane") if b % 2 == 0 else ("plane", "data"):
                     hvd.barrier()
-                    engine.board_data, engine.round_budget = limits[way]
+                    engine.board_data, engine.round_budget, engine.round_broadcast = limits[way]
                     for _ in range(3):
                         fn()
                     ts = []
@@ -88,9 +88,10 @@ def worker(sizes: list[int], blocks: int, calls: int) -> dict:
                     data_rounds = stats["data_rounds"] - before
                     asked += data_rounds if way == "data" else calls - data_rounds
             hvd.barrier()
-            engine.board_data, engine.round_budget = engine_pick
+            engine.board_data, engine.round_budget, engine.round_broadcast = engine_pick
             takes = posted[op] <= engine_pick[0] and (
-                op != "allreduce" or posted[op] <= engine_pick[1]
+                (op != "allreduce" or posted[op] <= engine_pick[1])
+                and (op != "broadcast" or posted[op] <= engine_pick[2])
             )
             share = asked / (2 * blocks * calls)
             out[f"{op}:{nbytes}"] = (

@@ -45,14 +45,14 @@ def round_allreduce_budget(
 ) -> int:
     """The most bytes per rank of allreduces that a peer round carries with their data. Every
     rank reads every other's post and folds them itself, so what it reads is bounded by one
-    post's room on the board (``board_bytes``: 1 MiB in shared memory, 256 KiB where posts
+    post's room on the board (``board_bytes``: 2 MiB in shared memory, 256 KiB where posts
     travel over TCP) over the other ranks; over more than 2 ranks no more than the data
     plane reduces in rank order (its direct exchange, then ``ORDERED_BYTES``; the ring above
     combines in another order, so an op gives the same bits either way). At least the eager
     budget (HOROVOD_EAGER_ALLREDUCE_BYTES), whose 0 turns data rounds for allreduces off as it
     turns the eager path off. Measured on 2 ranks, a data round beats the data plane's
-    exchange up to the board's room (1.3-1.8x at 64 KiB-1 MiB in shared memory, 1.2-1.6x at
-    64-256 KiB over TCP: benchmarks.md). Without ``large`` (ranks on several hosts: posts
+    exchange up to the board's room (1.3-1.8x at 64 KiB-1 MiB and 1.2x at 1.5-2 MiB in shared
+    memory, 1.2-1.6x at 64-256 KiB over TCP: benchmarks.md). Without ``large`` (ranks on several hosts: posts
     cross the hosts' link once per pair of ranks, far more often than a hierarchical
     allreduce's data does; or MPI's collectives asked for over more than two ranks), the
     eager budget alone."""
@@ -208,6 +208,10 @@ class EngineState:
         self.round_budget = round_allreduce_budget(
             eager_bytes, size, self.board_data, one_host and own_order
         )
+        # Broadcasts up to the room, but not those the data plane splits between two ranks
+        # (the shared-memory plane's single copy from 2 MiB: 1.2x a data round's time there).
+        split = transport.split_pair_bytes if size == 2 and transport.native is None else 0
+        self.round_broadcast = min(self.board_data, split - 1) if split else self.board_data
         # A lone small cached op that its thread waits for at once runs its data round on
         # that thread without the engine's event handling (``_quick``).
         self.quick = True

@@ -145,7 +145,7 @@ class ExpressPaths(Driving):
                 cid = ss.cache.lookup(req.name, req.signature(), ss.set_rank)
             if cid is not None:
                 sizes = self._posted_by_cid.get(cid) or self._posted_sizes(cid, ss.cache.live[cid])
-                if max(sizes) <= self.board_data:
+                if max(sizes) <= (self.round_broadcast if op == BROADCAST else self.board_data):
                     e.cid = cid
                     return True
         except BaseException:
@@ -266,8 +266,10 @@ class ExpressPaths(Driving):
         plane = False  # an op too large for a data round: a plane round
         try:
             if self._may_post(op, nbytes, plane=True):
-                plane = lane.most > self.board_data or (
-                    op == ALLREDUCE and nbytes > self.round_budget
+                plane = (
+                    lane.most > self.board_data
+                    or (op == ALLREDUCE and nbytes > self.round_budget)
+                    or (op == BROADCAST and nbytes > self.round_broadcast)
                 )
                 resp = lane.resp  # (set last: nothing after it can raise)
         finally:

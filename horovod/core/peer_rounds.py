@@ -145,7 +145,7 @@ class PeerRounds(Executor):
                 if data:
                     sizes = memo.get(cid) or self._posted_sizes(cid, resp)
                     room -= max(sizes)
-                    data = room >= 0
+                    data = room >= 0 and (req.op != BROADCAST or max(sizes) <= self.round_broadcast)
                     for r in range(self.size):
                         totals[r] += sizes[r]
             cids.append(cid)

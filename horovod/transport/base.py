@@ -78,6 +78,10 @@ class Transport(ABC):
     # The plane's own collectives (MPI), which the algorithms prefer where they apply
     # (``horovod.collectives.algorithms.native``); None: point-to-point only.
     native: object | None = None
+    # ``exchange_pair`` messages (two-rank broadcasts) of this many bytes or more are split
+    # between both sides (the shared-memory plane's single copy), faster than a peer round
+    # carrying the data; 0: none are.
+    split_pair_bytes: int = 0
 
     @abstractmethod
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None: ...

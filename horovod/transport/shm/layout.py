@@ -21,7 +21,9 @@ FRAME = 8  # little-endian length before each control message
 DESC = struct.Struct("<QQ")  # a direct send's slot: sender's address, length
 FAILED = (1 << 64) - 1  # length written over a split broadcast's post its reader gave up on
 POLL_MS = 200  # a sleeping wait looks again at least this often (a safety net)
-BOARD_DATA = 1024 * 1024  # data of one peer-round post (small allreduces, allgathers, broadcasts)
+# Data of one peer-round post (allreduces, allgathers, broadcasts up to this size take data
+# rounds: measured faster than plane rounds up to 2 MiB posts, benchmarks.md, stop 54).
+BOARD_DATA = 2 * 1024 * 1024
 BOARD_IDS = PAGE // 8 - 8  # cache ids per post
 # Output slots: a rank's result of an allgather data round can live in its own segment, where
 # the peers read its block from (instead of from a copy in the board): one copy less per rank.

@@ -321,6 +321,7 @@ class ShmSegments(PolledTransport):
         self._pids = pids
         self.single_copy = threshold
         self.split_copy = all(d == "ok" for d in done)
+        self.split_pair_bytes = threshold if self.split_copy else 0
 
     def _index(self, owner: int, sender: int) -> int:
         return [r for r in self.local if r != owner].index(sender)
