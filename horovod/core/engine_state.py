@@ -51,11 +51,11 @@ def round_allreduce_budget(
     combines in another order, so an op gives the same bits either way). At least the eager
     budget (HOROVOD_EAGER_ALLREDUCE_BYTES), whose 0 turns data rounds for allreduces off as it
     turns the eager path off. Measured on 2 ranks, a data round beats the data plane's
-    exchange up to the board's room (1.3-1.8x at 64 KiB-1 MiB and 1.2x at 1.5-2 MiB in shared
-    memory, 1.2-1.6x at 64-256 KiB over TCP: benchmarks.md). Without ``large`` (ranks on several hosts: posts
-    cross the hosts' link once per pair of ranks, far more often than a hierarchical
-    allreduce's data does; or MPI's collectives asked for over more than two ranks), the
-    eager budget alone."""
+    exchange up to the board's room (1.3-1.8x at 64 KiB-1 MiB and 1.2x at 1.5-2 MiB in
+    shared memory, 1.2-1.6x at 64-256 KiB over TCP: benchmarks.md). Without ``large`` (ranks
+    on several hosts: posts cross the hosts' link once per pair of ranks, far more often than
+    a hierarchical allreduce's data does; or MPI's collectives asked for over more than two
+    ranks), the eager budget alone."""
     if eager_bytes <= 0:
         return 0
     auto = board_bytes // max(1, size - 1) if large else 0
