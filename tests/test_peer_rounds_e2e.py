@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import run_script
-from test_shm_e2e import _ours
+from test_shm_e2e import _can_read_a_child_process, _ours
 
 pytestmark = pytest.mark.e2e
 
@@ -420,6 +420,9 @@ def test_an_uneven_allgather_in_a_plane_round_leaves_the_output_slots_alone():
         assert untouched == "True", found
 
 
+@pytest.mark.skipif(
+    not _can_read_a_child_process(), reason="single-copy reads (process_vm_readv) refused here"
+)
 def test_two_rank_broadcasts_the_data_plane_splits_skip_the_data_round():
     """On shared memory with single copy, a two-rank broadcast from 2 MiB is split between
     the ranks (the root writes half into the receiver, which reads the other half): faster
