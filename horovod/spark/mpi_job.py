@@ -145,7 +145,7 @@ def run(
             env_names=names,
             train=[python, "-m", "horovod.runner.run_task"],
             mpi_args=f"{shell} {mpi_args or ''}",
-            nics=[n.strip() for item in nic_list for n in item.split(",") if n.strip()],
+            nics=[w.strip() for item in nic_list for w in item.split(",") if w.strip()],
             as_root=hasattr(os, "geteuid") and os.geteuid() == 0,
             hostfile=hostfile,
         )
