@@ -1,6 +1,8 @@
 """horovod.torch: collectives, autograd, broadcast of state, DistributedOptimizer."""
 
 import copy
+import json
+import os
 import threading
 import time
 import warnings
@@ -1223,6 +1225,45 @@ def test_training_benchmark_pairs_ratios_within_each_pass():
         "1.12x (0.75x-1.60x)",  # horovod / DDP: 1.60, 1.125, 0.75
     ]
     # The best of each configuration would pair pass 1's plain with pass 3's DDP instead.
+
+
+def _flushes_subnormals() -> bool:
+    """Does this thread's torch flush subnormal floats to zero (2e-38 / 4 is subnormal)?"""
+    return (torch.tensor([2e-38]) * 0.25).item() == 0.0
+
+
+def test_training_benchmark_workers_flush_subnormals_when_asked(tmp_path, monkeypatch, capsys):
+    """``--flush-subnormals`` reaches every worker through the environment it inherits, and a
+    worker given it trains with subnormals flushed to zero (one without it does not)."""
+    from horovod.benchmarks import training
+
+    seen: list[str | None] = []
+
+    def fake_pass(model, configs, a, failures):
+        seen.append(os.environ.get(training.FLUSH_SUBNORMALS_ENV))
+        return dict.fromkeys(configs, 100.0)
+
+    monkeypatch.setattr(training, "measure_pass", fake_pass)
+    monkeypatch.setenv(training.FLUSH_SUBNORMALS_ENV, "0")  # (restored afterwards)
+    assert training.main(["--models", "mlp200", "--repeats", "1"]) == 0
+    assert training.main(["--models", "mlp200", "--repeats", "1", "--flush-subnormals"]) == 0
+    assert seen == ["0", "1"]
+    assert "subnormals flushed to zero in every process" in capsys.readouterr().out
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormals (torch.set_flush_denormal)")
+    assert not _flushes_subnormals()
+    out = tmp_path / "out.json"
+    try:
+        training.worker("plain", "mlp200", 1, 0, 2, str(out))
+        assert _flushes_subnormals()
+    finally:
+        torch.set_flush_denormal(False)
+    assert not _flushes_subnormals()
+    assert json.loads(out.read_text())["samples_per_s"] > 0
+    monkeypatch.setenv(training.FLUSH_SUBNORMALS_ENV, "0")
+    training.worker("plain", "mlp200", 1, 0, 2, str(out))
+    assert not _flushes_subnormals()
 
 
 @pytest.mark.e2e

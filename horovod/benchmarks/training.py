@@ -21,6 +21,12 @@ before any communication, the most horovod.torch or DDP can reach there.
 that a slow phase of a shared machine lands on every configuration alike. A second table gives
 the ratios computed within each pass (runs made moments apart), their median over the passes
 and their range: how much of a figure is the machine's phase rather than the code.
+``--flush-subnormals`` has every process (the references, horovod.torch and DDP alike) compute
+with subnormal floats flushed to zero (``torch.set_flush_denormal(True)``): on x86 an
+arithmetic operation on a subnormal operand or result takes a microcode assist, and mlp200's
+gradients vanish through its 100 layers (about a third of their values are subnormal), so
+without it torch's backward, the optimizer and averaging the gradients run several times slower
+on that model in every configuration (docs/benchmarks.md, "Subnormal gradients").
 ``--baseline DIR`` also runs horovod.torch from another checkout (``DIR`` holds its ``horovod``
 package) in every pass, and prints every row again for it ("model (baseline)"), with the
 paired ratio of this code's horovod to the baseline's at 2 ranks.
@@ -41,6 +47,9 @@ import tempfile
 import time
 
 from horovod.benchmarks import launch
+
+# Set (to "1") in the environment the workers inherit by ``--flush-subnormals``.
+FLUSH_SUBNORMALS_ENV = "HVD_BENCH_FLUSH_SUBNORMALS"
 
 
 def _train(model, optimizer, steps: int, warmup: int, batch: int, after=None) -> float:
@@ -72,6 +81,8 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
     from horovod.benchmarks.models import MODELS
 
     torch.set_num_threads(1)
+    if os.environ.get(FLUSH_SUBNORMALS_ENV) == "1":
+        torch.set_flush_denormal(True)  # (this thread's, the one that trains)
     torch.manual_seed(0)
     model = MODELS[model_name]()
     if kind == "plain":
@@ -325,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         "--timeline-overhead", action="store_true", help="measure timeline on vs off instead"
     )
     ap.add_argument(
+        "--flush-subnormals",
+        action="store_true",
+        help="every process computes with subnormal floats flushed to zero (see above)",
+    )
+    ap.add_argument(
         "--baseline",
         metavar="DIR",
         help="also run another checkout's horovod.torch (DIR holds its horovod package)",
@@ -337,10 +353,14 @@ def main(argv: list[str] | None = None) -> int:
     if a.worker:
         worker(a.worker, a.models, a.steps, a.warmup, a.batch_size, a.out)
         return 0
+    if a.flush_subnormals:
+        os.environ[FLUSH_SUBNORMALS_ENV] = "1"  # (every worker inherits it)
     print(
         f"host: {socket.gethostname()}, {os.cpu_count()} CPUs; batch {a.batch_size} per rank, "
         f"{a.steps} timed steps, best of {a.repeats} interleaved passes; "
-        "samples/s of all ranks together\n"
+        "samples/s of all ranks together"
+        + ("; subnormals flushed to zero in every process" if a.flush_subnormals else "")
+        + "\n"
     )
     if a.baseline:
         BASELINE.update(launch.baseline_env(a.baseline))
