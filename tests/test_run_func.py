@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 import pytest
 
@@ -78,6 +80,43 @@ def test_a_rank_that_dies_without_an_exception_is_reported():
 
     with pytest.raises(RuntimeError, match=r"exit status 3\); ranks \[0.*\] returned nothing"):
         horovod.run(die, num_proc=2)
+
+
+def _in_a_thread(fn, timeout=120):
+    """fn() on a thread other than the main one: its value, or what it raised."""
+    out: list = []
+
+    def go():
+        try:
+            out.append(fn())
+        except BaseException as e:  # (handed to the test)
+            out.append(e)
+
+    th = threading.Thread(target=go)
+    th.start()
+    th.join(timeout)
+    assert not th.is_alive() and len(out) == 1, "the run did not finish"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+@pytest.mark.parametrize("launcher", ["own", "elastic", "mpirun"])
+def test_runs_from_a_thread_other_than_the_main_one(launcher):
+    """``horovod.run`` called off the main thread (a worker thread, a thread pool, a server's
+    request handler): Python allows signal handlers on the main thread only, so the launchers
+    install theirs only there (it raised "signal only works in main thread"). The main
+    thread's handlers are left as they were."""
+    extra: dict = {"min_num_proc": 2, "hosts": "localhost:2"} if launcher == "elastic" else {}
+    if launcher == "mpirun":
+        why = mpi_impls.missing("openmpi")
+        if why is not None:
+            pytest.skip(why)
+        extra = {"mpi_args": "--oversubscribe"}
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    out = _in_a_thread(lambda: horovod.run(_allreduce_rank, args=(10,), num_proc=2, **extra))
+    assert out == [(0, 2, 10.0), (1, 2, 10.0)]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 @pytest.mark.parametrize("impl", mpi_impls.IMPLS)

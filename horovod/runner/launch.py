@@ -38,6 +38,7 @@ from horovod.runner.hosts import (
     parse_hostfile,
     parse_hosts,
 )
+from horovod.runner.interrupts import on_interrupt
 from horovod.runner.procs import Command, Job
 
 
@@ -518,18 +519,16 @@ def main(
     def on_signal(signum: int, _frame: object) -> None:
         job.interrupt(signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        job.start()
-        status = job.wait()
-        report = job.report()
-        if harvest is not None:
-            harvest(server)
+        with on_interrupt(on_signal):
+            job.start()
+            status = job.wait()
+            report = job.report()
+            if harvest is not None:
+                harvest(server)
     except RuntimeError as e:
         return _error(str(e))
     finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
         server.stop()
         # Shared-memory segments are unlinked once every local rank has mapped them; a rank
         # killed during set-up can leave its own behind: remove this job's.

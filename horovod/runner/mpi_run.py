@@ -27,7 +27,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from collections.abc import Mapping, Sequence
 
 from horovod.runner import mpi_output
 from horovod.runner.hosts import HostInfo
+from horovod.runner.interrupts import on_interrupt
 from horovod.runner.mpi_output import HYDRA_LABEL
 
 OPEN_MPI, MPICH = "Open MPI", "MPICH"
@@ -205,14 +205,10 @@ def run(
         except ProcessLookupError:
             pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with on_interrupt(forward):
         status = proc.wait()
         for t in pumps:  # (the ranks' last lines)
             t.join()
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
     if status != 0:
         print(
             f"{label}: mpirun exited with status {status} (its report above names the rank "

@@ -20,6 +20,7 @@ from horovod.common.shm_names import cleanup_job
 from horovod.rendezvous.server import RendezvousServer
 from horovod.runner.elastic.driver import ElasticDriver
 from horovod.runner.elastic.workers import ProcessLauncher
+from horovod.runner.interrupts import on_interrupt
 from horovod.runner.procs import Command, OutputSink
 
 STALL_SHUTDOWN_DEFAULT_S = 60.0
@@ -84,12 +85,10 @@ def run_elastic(
     def on_signal(signum: int, _frame: object) -> None:
         driver.interrupt(signal.Signals(signum).name)
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        status = driver.run()
+        with on_interrupt(on_signal):
+            status = driver.run()
     finally:
-        for signum, handler in old.items():
-            signal.signal(signum, handler)
         cleanup_job(bytes.fromhex(secret))
     report = driver.report()
     if report:
