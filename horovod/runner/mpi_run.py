@@ -11,9 +11,9 @@ variable of the launching environment (``-x NAME`` / ``-genvlist``), the user's
 rendezvous and tells the others over MPI, ``horovod.core.mpi_world``), and the data moves
 through MPI unless the environment says ``HOROVOD_CPU_OPERATIONS=gloo``.
 
-``run`` runs that command, forwards SIGINT/SIGTERM to ``mpirun`` (which stops the ranks) and
-returns its exit status; mpirun reports which rank failed, and each rank's own error names the
-operation and tensor as on every launcher.
+``run`` runs that command, forwards SIGINT/SIGTERM to ``mpirun`` (which stops the ranks) when
+called from the main thread (``interrupts``), and returns its exit status; mpirun reports which
+rank failed, and each rank's own error names the operation and tensor as on every launcher.
 
 Each rank's output comes back line by line with its rank, and with ``--output-filename`` in
 ``DIR/rank.N/stdout`` and ``stderr`` as on horovodrun's own launcher (``mpi_output``).
@@ -189,7 +189,8 @@ def run(
     timestamp: bool = False,
     label: str = "horovodrun",
 ) -> int:
-    """Run mpirun (``size`` ranks); SIGINT/SIGTERM go to it (it stops the ranks). Each rank's
+    """Run mpirun (``size`` ranks); SIGINT/SIGTERM go to it (it stops the ranks) when called
+    from the main thread. Each rank's
     output as ``mpi_output`` forwards it (after the time, with ``timestamp``; and into
     ``output_dir``). Its exit status. ``label``: who speaks in the messages."""
     if verbose:
