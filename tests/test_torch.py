@@ -1266,6 +1266,24 @@ def test_training_benchmark_workers_flush_subnormals_when_asked(tmp_path, monkey
     assert not _flushes_subnormals()
 
 
+def test_training_benchmark_counts_subnormal_gradient_values():
+    """The share the benchmark prints: nonzero gradient values below the type's smallest
+    normal, over every floating-point gradient (parameters without one are left out)."""
+    from horovod.benchmarks import training
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(2, 2), torch.nn.Linear(2, 1, bias=False, dtype=torch.float64)
+    )
+    assert training.subnormal_share(model) == 0.0  # (no gradients yet)
+    first, second = model[0], model[1]
+    first.weight.grad = torch.tensor([[1e-39, 0.0], [1.0, -1e-40]])  # two subnormal
+    first.bias.grad = torch.tensor([0.0, 1e-30])  # small, but normal
+    assert second.weight.grad is None
+    assert training.subnormal_share(model) == pytest.approx(2 / 6)
+    second.weight.grad = torch.tensor([[1e-39, 1e-39]], dtype=torch.float64)  # normal there
+    assert training.subnormal_share(model) == pytest.approx(2 / 8)
+
+
 @pytest.mark.e2e
 def test_training_benchmark_and_synthetic_example_run():
     from conftest import horovodrun_example, run_module
@@ -1294,6 +1312,7 @@ def test_training_benchmark_and_synthetic_example_run():
     assert float(cells[4]) > 0 and float(cells[5]) > 0, row  # horovod.torch at 1 and 2 ranks
     paired = [line for line in r.stdout.splitlines() if line.startswith("| convnet | 1 |")]
     assert len(paired) == 1
+    assert "Gradient values that are subnormal (a plain process's last step): convnet " in r.stdout
     # The DDP peer (torchrun) sometimes aborts at exit on CI ("terminate called without an
     # active exception"): it is then listed as failed and its cells say so; ours never are.
     if "- convnet, ddp at" in r.stdout:

@@ -26,7 +26,9 @@ with subnormal floats flushed to zero (``torch.set_flush_denormal(True)``): on x
 arithmetic operation on a subnormal operand or result takes a microcode assist, and mlp200's
 gradients vanish through its 100 layers (about a third of their values are subnormal), so
 without it torch's backward, the optimizer and averaging the gradients run several times slower
-on that model in every configuration (docs/benchmarks.md, "Subnormal gradients").
+on that model in every configuration (docs/benchmarks.md, "Subnormal gradients"). Under the
+tables the benchmark prints each model's share of subnormal gradient values (a plain
+process's last step).
 ``--baseline DIR`` also runs horovod.torch from another checkout (``DIR`` holds its ``horovod``
 package) in every pass, and prints every row again for it ("model (baseline)"), with the
 paired ratio of this code's horovod to the baseline's at 2 ranks.
@@ -73,6 +75,22 @@ def _train(model, optimizer, steps: int, warmup: int, batch: int, after=None) ->
     for _ in range(steps):
         step()
     return time.perf_counter() - t0
+
+
+def subnormal_share(model) -> float:
+    """The share of ``model``'s floating-point gradient values that are subnormal (nonzero,
+    below the type's smallest normal): every multiplication on one takes x86 a microcode
+    assist, so a large share slows training in every configuration alike."""
+    import torch
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [g for g in grads if g.is_floating_point()]
+    total = sum(g.numel() for g in grads)
+    if not total:
+        return 0.0
+    tiny = [torch.finfo(g.dtype).tiny for g in grads]
+    found = sum(int(((g != 0) & (g.abs() < t)).sum()) for g, t in zip(grads, tiny, strict=True))
+    return found / total
 
 
 def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out: str) -> None:
@@ -122,11 +140,17 @@ def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out:
         seconds = float(t)
         dist.destroy_process_group()
     if rank == 0:
+        report = {"samples_per_s": size * batch * steps / seconds}
+        if kind == "plain":  # (the gradients of its last step)
+            report["subnormal_share"] = subnormal_share(model)
         with open(out, "w") as f:
-            json.dump({"samples_per_s": size * batch * steps / seconds}, f)
+            json.dump(report, f)
 
 
 BASELINE: dict[str, str] = {}  # the environment running the baseline checkout (``--baseline``)
+# Per model, the share of subnormal gradient values a plain process saw (printed under the
+# tables: a large one means multiplications on them dominate every configuration's step).
+SUBNORMAL_SHARE: dict[str, float] = {}
 
 
 def run(
@@ -153,9 +177,11 @@ def run(
     launcher = launchers[kind]
     launch.run(launcher, np_, args, extra_env)
     with open(out) as f:
-        value = json.load(f)["samples_per_s"]
+        report = json.load(f)
     os.unlink(out)
-    return value
+    if "subnormal_share" in report:
+        SUBNORMAL_SHARE[model] = report["subnormal_share"]
+    return float(report["samples_per_s"])
 
 
 def _run_independent(np_: int, model: str, steps: int, warmup: int, batch: int) -> float:
@@ -414,6 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|" + "---|" * len(PAIRED))
     for line in paired_rows:
         print(line)
+    if SUBNORMAL_SHARE:
+        shares = ", ".join(f"{m} {v:.1%}" for m, v in SUBNORMAL_SHARE.items())
+        print(
+            f"\nGradient values that are subnormal (a plain process's last step): {shares}. "
+            "On x86 every multiplication on one takes a microcode assist, in every configuration "
+            "alike (--flush-subnormals flushes them to zero in every process)."
+        )
     if versus_base:
         print("\nThis code's horovod.torch against the baseline's at 2 ranks (samples/s ratio):\n")
         print("| model | best pass vs best pass | paired within each pass, median (range) |")
