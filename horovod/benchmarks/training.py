@@ -83,14 +83,10 @@ def subnormal_share(model) -> float:
     assist, so a large share slows training in every configuration alike."""
     import torch
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    grads = [g for g in grads if g.is_floating_point()]
+    grads = [g for p in model.parameters() if (g := p.grad) is not None and g.is_floating_point()]
     total = sum(g.numel() for g in grads)
-    if not total:
-        return 0.0
-    tiny = [torch.finfo(g.dtype).tiny for g in grads]
-    found = sum(int(((g != 0) & (g.abs() < t)).sum()) for g, t in zip(grads, tiny, strict=True))
-    return found / total
+    found = sum(int(((g != 0) & (g.abs() < torch.finfo(g.dtype).tiny)).sum()) for g in grads)
+    return found / total if total else 0.0
 
 
 def worker(kind: str, model_name: str, steps: int, warmup: int, batch: int, out: str) -> None:
