@@ -302,12 +302,13 @@ def test_peer_rounds_run_every_cached_op_like_rank_0_does(np_, plane):
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_allgather_results_in_output_slots_stay_exact_while_held_and_changed(np_):
-    """A lone allgather of 128 KiB or more per rank builds its result in an output slot of
+    """A lone allgather of 320 KiB or more per rank builds its result in an output slot of
     the rank (shared memory) from which the peers read that rank's block, one copy less than
-    through the round's post. Held results keep their slots (later calls fall back to the
-    post, or take the other slot); a rank that changes its result at once does not change
-    what the peers read (it returns only once they have read it, here delayed on purpose);
-    ranks with the slots off (``HOROVOD_OUTPUT_POOL_BYTES=0``, or one rank alone) interoperate."""
+    through the round's post; a smaller block goes through the post (faster there: no wait for
+    the peers' acks). Held results keep their slots (later calls fall back to the post, or
+    take the other slot); a rank that changes its result at once does not change what the
+    peers read (it returns only once they have read it, here delayed on purpose); ranks with
+    the slots off (``HOROVOD_OUTPUT_POOL_BYTES=0``, or one rank alone) interoperate."""
     script = """
         import time, numpy as np, horovod.numpy as hvd
         from horovod.core.context import current
@@ -315,13 +316,18 @@ def test_allgather_results_in_output_slots_stay_exact_while_held_and_changed(np_
         r, n = hvd.rank(), hvd.size()
         eng = current().engine
         t = eng.transport
-        W = 40_000  # float32 columns: 160 kB per row, rank q gathers q + 1 rows
-        def mine(v):
-            return np.full((r + 1, W), v + r, np.float32)
-        def expect(v):
-            return np.concatenate([np.full((q + 1, W), v + q, np.float32) for q in range(n)])
+        W = 82_000  # float32 columns: 328 kB per row, rank q gathers q + 1 rows
+        def mine(v, w=W):
+            return np.full((r + 1, w), v + r, np.float32)
+        def expect(v, w=W):
+            return np.concatenate([np.full((q + 1, w), v + q, np.float32) for q in range(n)])
         def slotted(a):
             return any(a.base is o for o in t.out_owners)
+        # Blocks under the slots' minimum (96-288 kB) go through the post.
+        for step in range(3):
+            out = hvd.allgather(mine(step, 24_000), name="small")
+            assert np.array_equal(out, expect(step, 24_000)), ("small", step)
+            assert not slotted(out), ("small", step)
         held = []
         for step in range(6):
             out = hvd.allgather(mine(10 * step), name="ag")

@@ -29,7 +29,9 @@ BOARD_IDS = PAGE // 8 - 8  # cache ids per post
 # the peers read its block from (instead of from a copy in the board): one copy less per rank.
 OUT_SLOTS = 2
 OUT_BYTES = 2 * BOARD_DATA
-OUT_MIN = 128 * 1024  # a rank's own block from this size on (below, the copy costs no more)
+# ... for a rank's own block from this size on: below it the post is faster (the copy saved
+# costs less than the wait for the peers' acks; timed in one job, benchmarks.md, stop 56).
+OUT_MIN = 320 * 1024
 # Own-block copies interleaved with single-copy reads (``exchange_copy``): this much of the
 # peer's message is read, then as large a share of the copies, so both ranks' blocks pass
 # through the shared cache once for the two readers (the owner's copy, the peer's read).
