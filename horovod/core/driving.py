@@ -18,6 +18,7 @@ import time
 import traceback
 
 from horovod.common.exceptions import TransportError, shutdown_message
+from horovod.common.fpenv import flushes
 from horovod.common.log import logger
 from horovod.core.handles import Entry, Handle
 from horovod.core.messages import (
@@ -182,7 +183,14 @@ class Driving(PeerRounds):
 
     def _drive(self, handle: Handle, quick: Entry | None = None) -> None:
         """``run_until`` with ``drive`` held; ``quick``: first run this entry's data round
-        the quick way (``_quick``)."""
+        the quick way (``_quick``). The engine's arithmetic runs in the job's floating-point
+        environment, whatever the calling thread's (``fpenv``)."""
+        if flushes() != self.fp_mode.flushes:
+            self.fp_mode.run(self._drive_on, handle, quick)
+        else:
+            self._drive_on(handle, quick)
+
+    def _drive_on(self, handle: Handle, quick: Entry | None) -> None:
         self.polled.set_driving(True)
         clock = time.perf_counter
         try:

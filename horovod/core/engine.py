@@ -204,6 +204,7 @@ class Engine(ExpressPaths):
         self._post(("abort", reason))
 
     def _run(self) -> None:
+        self.fp_mode.adopt()  # (a thread starts in its starter's floating-point mode: fpenv)
         if self.fast:
             self._run_fast()
             return

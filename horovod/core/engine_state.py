@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from horovod.collectives import algorithms as alg
 from horovod.common.alarm import make_alarm
+from horovod.common.fpenv import Mode
 from horovod.core import ops
 from horovod.core.autotune import Autotuner
 from horovod.core.coordinator import Coordinator
@@ -175,6 +176,9 @@ class EngineState:
         # transport can sleep on one: the thread running the engine moves it past a long
         # operation without waking the engine thread (``Driving._stretch_lease``).
         self.alarm = make_alarm() if self.fast and self.polled.naps_on_alarm else None
+        # The floating-point environment every reduction computes in, on whichever thread:
+        # this one's (``hvd.init()``'s), as upstream's background thread inherits it (fpenv).
+        self.fp_mode = Mode()
         self._napping = False  # the engine thread naps on the alarm
         # Seconds a byte the last plane round of the express way took (1 GB/s until then):
         # how far to move the alarm past the next one.

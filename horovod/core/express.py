@@ -20,6 +20,7 @@ from typing import Any, cast
 import numpy as np
 
 from horovod.common.dtypes import CODE_OF
+from horovod.common.fpenv import flushes
 from horovod.core import ops, pool
 from horovod.core.driving import Driving
 from horovod.core.handles import BareEntry, Entry, Handle, np_alloc
@@ -190,6 +191,22 @@ class ExpressPaths(Driving):
             self._close_round()
 
     def express(
+        self,
+        op: int,
+        name: str,
+        arr: np.ndarray,
+        out: np.ndarray | None,
+        reduce_op: int,
+        root: int,
+        site: Callable[[], str],
+    ) -> Any:
+        """``_express`` in the job's floating-point environment (``fpenv``: every rank computes
+        a data round's result itself, so all of them must compute alike)."""
+        if flushes() != self.fp_mode.flushes:
+            return self.fp_mode.run(self._express, op, name, arr, out, reduce_op, root, site)
+        return self._express(op, name, arr, out, reduce_op, root, site)
+
+    def _express(
         self,
         op: int,
         name: str,
