@@ -146,3 +146,41 @@ def test_ranks_reduce_alike_whichever_thread_runs_the_engine_and_its_mode(plane,
         ("0", "True"),
         ("1", "True"),
     ], out.stdout
+
+
+# A collective inside ``tf.function`` runs on a thread of TensorFlow's (a ``numpy_function``),
+# one inside ``jax.jit`` on one of XLA's (an ``io_callback``): both flush subnormals (measured
+# with ``fpenv.flushes()``), where the thread that called ``hvd.init()`` does not. Before
+# ``fpenv`` their data rounds were computed flushed there (zeros) and IEEE on an engine thread.
+IN_GRAPH = """
+    import sys, numpy as np
+    fw = sys.argv[1]
+    g = (np.full(1000, 1e-39) * (1 + np.arange(1000) / 1000)).astype(np.float32)  # subnormal
+    want = (g + g).view(np.int32)
+    if fw == "tensorflow":
+        import tensorflow as tf, horovod.tensorflow as hvd
+        hvd.init()
+        step = tf.function(lambda x: hvd.allreduce(x, op=hvd.Sum, name="g"))
+        outs = [step(tf.constant(g)).numpy() for _ in range(3)]
+    else:
+        import jax, jax.numpy as jnp, horovod.jax as hvd
+        hvd.init()
+        step = jax.jit(lambda x: hvd.allreduce(x, op=hvd.Sum, name="g"))
+        outs = [np.asarray(step(jnp.asarray(g))) for _ in range(3)]
+    ok = all(np.array_equal(o.view(np.int32), want) for o in outs)
+    print("expected", hvd.rank(), ok, flush=True)
+    hvd.shutdown()
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("framework", ["tensorflow", "jax"])
+def test_collectives_in_graphs_compute_in_the_init_threads_mode(framework):
+    pytest.importorskip(framework)
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"}
+    out = run_script(IN_GRAPH, np_=2, env=env, timeout=180, args=[framework])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sorted(re.findall(r"expected (\d) (\w+)", out.stdout)) == [
+        ("0", "True"),
+        ("1", "True"),
+    ], out.stdout
