@@ -91,6 +91,26 @@ def test_a_thread_started_by_a_flushing_one_inherits_it_until_it_adopts_the_jobs
     assert parent  # (the parent's mode is its own)
 
 
+def test_without_fesetenv_a_thread_in_another_mode_is_warned_once_and_keeps_its_own(
+    monkeypatch, caplog
+):
+    monkeypatch.setattr(fpenv, "_CALLS", None)  # (as where libm has no fesetenv)
+    monkeypatch.setattr(fpenv, "_warned", False)
+    job = fpenv.Mode()  # IEEE, with no environment to switch a thread to
+
+    def body() -> tuple:
+        _flush()
+        with caplog.at_level("WARNING", logger="horovod"):
+            first = job.run(lambda: (fpenv.flushes(), _halves()))
+            job.run(lambda: None)
+            job.adopt()
+        return first, fpenv.flushes()
+
+    assert _in_thread(body) == ((True, [0, 0, 0]), True)
+    msgs = [r.getMessage() for r in caplog.records if "hvd.init()" in r.getMessage()]
+    assert len(msgs) == 1 and "torch.set_flush_denormal" in msgs[0], msgs
+
+
 # Every rank flushes subnormals on its training thread, as a user following docs/pytorch.md
 # would, after ``hvd.init()`` or before it (argv[1]); one rank at a time leaves each round to its
 # engine thread. Data rounds have every rank compute the whole result itself: before ``fpenv``,

@@ -48,10 +48,15 @@ def _libm_calls() -> tuple[Any, Any] | None:
     """libm's ``fegetenv`` and ``fesetenv`` (Linux), or None."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
-        get, put = lib.fegetenv, lib.fesetenv
-    except (OSError, AttributeError):
+    get = put = None
+    for name in (ctypes.util.find_library("m") or "libm.so.6", None):  # (None: musl's libc)
+        try:
+            lib = ctypes.CDLL(name)
+            get, put = lib.fegetenv, lib.fesetenv
+            break
+        except (OSError, AttributeError):
+            continue
+    if get is None or put is None:
         return None
     for fn in (get, put):
         fn.argtypes = [ctypes.c_void_p]
