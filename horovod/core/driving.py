@@ -185,12 +185,9 @@ class Driving(PeerRounds):
         """``run_until`` with ``drive`` held; ``quick``: first run this entry's data round
         the quick way (``_quick``). The engine's arithmetic runs in the job's floating-point
         environment, whatever the calling thread's (``fpenv``)."""
-        if flushes() != self.fp_mode.flushes:
-            self.fp_mode.run(self._drive_on, handle, quick)
-        else:
-            self._drive_on(handle, quick)
-
-    def _drive_on(self, handle: Handle, quick: Entry | None) -> None:
+        if flushes() != self.fp_mode.flushes:  # (this thread's differs: the call in the job's)
+            self.fp_mode.run(self._drive, handle, quick)
+            return
         self.polled.set_driving(True)
         clock = time.perf_counter
         try:

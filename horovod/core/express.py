@@ -200,22 +200,6 @@ class ExpressPaths(Driving):
         root: int,
         site: Callable[[], str],
     ) -> Any:
-        """``_express`` in the job's floating-point environment (``fpenv``: every rank computes
-        a data round's result itself, so all of them must compute alike)."""
-        if flushes() != self.fp_mode.flushes:
-            return self.fp_mode.run(self._express, op, name, arr, out, reduce_op, root, site)
-        return self._express(op, name, arr, out, reduce_op, root, site)
-
-    def _express(
-        self,
-        op: int,
-        name: str,
-        arr: np.ndarray,
-        out: np.ndarray | None,
-        reduce_op: int,
-        root: int,
-        site: Callable[[], str],
-    ) -> Any:
         """A frontend's synchronous call of an op that ``_alone`` would admit, run on the
         calling thread without being submitted at all: no request, entry or handle unless the
         round cannot be finished here (the quick way still pays for all three, and for the
@@ -232,7 +216,10 @@ class ExpressPaths(Driving):
         leaves to the general path (a peer slower than the spin, a control message or a
         submission from another thread arriving, a fallback to rank 0, an allgather's result,
         an error) gets its entry at that point, in the state a submission would have had, and
-        goes on from there."""
+        goes on from there. It computes in the job's floating-point environment (``fpenv``:
+        every rank computes a data round's result itself, so all of them must compute alike)."""
+        if flushes() != self.fp_mode.flushes:  # (this thread's differs: the call in the job's)
+            return self.fp_mode.run(self.express, op, name, arr, out, reduce_op, root, site)
         if (
             self.table
             or self.unsent
