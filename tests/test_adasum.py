@@ -6,11 +6,15 @@ converging at 3 processes under horovodrun (upstream fails at 3, #3400)."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import platform
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_script
+from conftest import REPO, run_script
 
 import horovod.numpy as hvd
 from horovod.collectives.adasum import combine, levels, reference
@@ -43,25 +47,49 @@ def test_the_pairwise_rule():
     np.testing.assert_allclose(out2[50:], a, rtol=1e-12)
 
 
-@pytest.mark.parametrize("n", [0, 5, 8192, 70_001, 1 << 20])
-def test_the_dot_products_do_not_depend_on_blas_threads(n, monkeypatch):
-    # BLAS splits a long dot product across its threads: np.dot gives other bits at another
-    # thread count (a rank thread could lift another's limit midway: a flaky bitwise test)
-    from threadpoolctl import threadpool_info, threadpool_limits
+# The coefficients' sums, by NumPy's own loops: the same bits whatever BLAS (its kernel for the
+# CPU, its threads) and whatever SIMD NumPy dispatches to. With BLAS dot products (before stop
+# 56), OpenBLAS's "Prescott" and "Sandybridge" kernels gave other bits for the same vectors.
+COMBINE_BITS = """
+import hashlib, numpy as np
+from horovod.collectives.adasum import combine
+rng = np.random.default_rng(7)
+h = hashlib.sha256()
+for counts in ([100], [5000], [70_001], [300_000], [10] * 500, [3000] * 30, [0, 9, 40_000, 0]):
+    n = sum(counts)
+    for dtype in (np.float64, np.float32):  # (float64 keeps a coefficient's last bits)
+        a = rng.standard_normal(n).astype(dtype)
+        b = rng.standard_normal(n).astype(dtype)
+        out = np.empty_like(a)
+        combine(a, b, counts, out)
+        h.update(out.tobytes())
+print(h.hexdigest())
+"""
 
-    from horovod.common import blas
 
-    rng = np.random.default_rng(n)
-    a, b = rng.standard_normal(n), rng.standard_normal(n)
-    most = max([1] + [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"])
-    got = set()
-    for threads in {1, most, 2 * most}:
-        with threadpool_limits(threads, user_api="blas"):
-            got.add(blas.ordered_dot(a, b))
-    assert len(got) == 1
-    np.testing.assert_allclose(got.pop(), float(np.sum(a * b)), rtol=1e-9, atol=1e-9)
-    monkeypatch.setattr(blas, "_vecdot", None)  # NumPy 1 (MXNet's venv): einsum's rows
-    np.testing.assert_allclose(blas.ordered_dot(a, b), float(np.sum(a * b)), rtol=1e-9, atol=1e-9)
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="OpenBLAS x86 kernels")
+def test_the_coefficients_do_not_depend_on_blas_or_the_cpus_simd():
+    avx512 = "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"
+    settings = [
+        {},
+        {"OPENBLAS_CORETYPE": "Prescott"},
+        {"OPENBLAS_CORETYPE": "Sandybridge", "OPENBLAS_NUM_THREADS": "2"},
+        {"NPY_DISABLE_CPU_FEATURES": avx512},
+        {"NPY_DISABLE_CPU_FEATURES": avx512 + " AVX2 FMA3 F16C AVX"},
+    ]
+    digests = set()
+    for extra in settings:
+        env = {**os.environ, "PYTHONPATH": str(REPO), **extra}
+        out = subprocess.run(
+            [sys.executable, "-c", COMBINE_BITS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, (extra, out.stderr)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1, digests
 
 
 @pytest.mark.parametrize("n", range(1, 10))
@@ -313,3 +341,22 @@ def test_adasum_on_the_process_planes_at_3_processes(plane):
     r = run_script(PLANES, np_=3, env=env, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("plane ok") == 3
+
+
+def test_the_combine_benchmark_compares_a_baseline_checkout(tmp_path):
+    """``horovod.benchmarks.adasum`` times this checkout's ``combine`` and a baseline's in
+    alternating processes (here the baseline is a copy of this one) and prints their ratio."""
+    import shutil
+
+    from conftest import run_module
+
+    shutil.copytree(REPO / "horovod", tmp_path / "horovod")
+    r = run_module(
+        "horovod.benchmarks.adasum", "--quick", "--repeats", "1", "--baseline", str(tmp_path)
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    from horovod.benchmarks.adasum import LAYOUTS
+
+    for label, _, _ in LAYOUTS:
+        row = next(line for line in r.stdout.splitlines() if line.startswith(f"| {label} |"))
+        assert row.count(" us |") == 2 and row.rstrip(" |").endswith("x"), row

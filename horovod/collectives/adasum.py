@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from horovod.common.blas import ordered_dot
 from horovod.transport.base import Scratch, as_bytes
 
 TINY = math.sqrt(sys.float_info.min)  # upstream's threshold on a squared norm
@@ -62,25 +61,133 @@ def levels(n: int, me: int) -> list[tuple[bool, list[int], int] | None]:
     return out
 
 
+# Elements per step of ``combine``: a step's float64 copies and products stay in cache.
+CHUNK = 65536
+
+
 def combine(a: np.ndarray, b: np.ndarray, counts: Sequence[int], out: np.ndarray) -> None:
     """``out`` = adasum(a, b) per segment of ``counts`` elements (flat arrays of one float
-    type; ``out`` may be ``a`` or ``b``)."""
+    type; ``out`` may be ``a`` or ``b``), in steps of ``CHUNK`` elements copied to float64.
+
+    A segment's dot product and squared norms are sums of elementwise products (exact for
+    float32 and float16 inputs) in an order fixed by the segments' lengths alone: each step's
+    by NumPy's own loops (``einsum``, compiled for the baseline of NumPy's build, or ``reduceat``
+    over the products where a step holds many small tensors: ``MANY``), the steps' sums added
+    in order. A BLAS dot product (what this
+    used) sums in the order of the kernel it picks for the CPU: OpenBLAS gave other bits for
+    the same vectors as "SkylakeX", "Haswell" and "Prescott" on this VM, so ranks on hosts of
+    different CPU generations computed other coefficients and their results drifted apart.
+    Then ``acoeff * a + bcoeff * b`` in float64, rounded to the type: upstream's scaled add."""
+    if len(counts) == 1:  # (one tensor: the usual unfused call)
+        n = int(counts[0])
+        if n:
+            _combine_one(a[:n], b[:n], out[:n], np.empty((2, min(n, CHUNK))))
+        return
+    lens = np.asarray(counts, dtype=np.int64)
+    if int(np.count_nonzero(lens)) > MANY[0] and int(lens.max()) <= MANY[1]:
+        _combine_many(a, b, lens[lens > 0], out)
+        return
+    room = np.empty((2, min(int(lens.max(initial=0)), CHUNK)))  # (float64 copies, reused)
     off = 0
     for c in counts:
-        sa, sb, so = a[off : off + c], b[off : off + c], out[off : off + c]
+        if c:
+            _combine_one(a[off : off + c], b[off : off + c], out[off : off + c], room)
         off += c
-        if c == 0:
-            continue
-        a64 = sa.astype(np.float64, copy=False)
-        b64 = sb.astype(np.float64, copy=False)
-        # (summed in a fixed order: the bits must not depend on BLAS's threads)
-        dot = ordered_dot(a64, b64)
-        anormsq = ordered_dot(a64, a64)
-        bnormsq = ordered_dot(b64, b64)
-        acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= TINY else 1.0
-        bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= TINY else 1.0
-        # upstream's scaled add: double coefficients times the elements, rounded to the type
-        np.copyto(so, acoeff * a64 + bcoeff * b64, casting="unsafe")
+
+
+# ``combine`` takes a buffer of more than MANY[0] tensors of at most MANY[1] elements in steps
+# across the tensors (a few calls a step) rather than tensor by tensor (a few a tensor).
+MANY = (8, 8192)
+# A step of at most this many elements computes its three sums in one ``einsum`` (a 2 x 2 Gram
+# matrix), a longer one in three (faster there): the order is fixed by the length either way.
+SMALL = 8192
+
+
+def _combine_one(sa: np.ndarray, sb: np.ndarray, so: np.ndarray, room: np.ndarray) -> None:
+    """``combine`` of one tensor's segment (``room``: float64, 2 x at least min(its size,
+    ``CHUNK``))."""
+    n = sa.size
+    if n <= SMALL:  # (one step, straight through: a small tensor costs its calls)
+        xy = room[:, :n]
+        x, y = xy
+        np.copyto(x, sa, casting="unsafe")
+        np.copyto(y, sb, casting="unsafe")
+        (aa, ab), (_, bb) = np.einsum("ij,kj->ik", xy, xy).tolist()
+        np.multiply(x, 1.0 - ab / aa * 0.5 if aa >= TINY else 1.0, out=x)
+        np.multiply(y, 1.0 - ab / bb * 0.5 if bb >= TINY else 1.0, out=y)
+        np.copyto(so, np.add(x, y, out=x), casting="unsafe")
+        return
+    dot = anormsq = bnormsq = 0.0
+    for s in range(0, n, CHUNK):
+        m = min(CHUNK, n - s)
+        xy = room[:, :m]
+        x, y = xy
+        np.copyto(x, sa[s : s + m], casting="unsafe")
+        np.copyto(y, sb[s : s + m], casting="unsafe")
+        if m <= SMALL:  # (the last step of a long tensor: the three sums in one call)
+            (aa, ab), (_, bb) = np.einsum("ij,kj->ik", xy, xy).tolist()
+            dot += ab
+            anormsq += aa
+            bnormsq += bb
+        else:
+            dot += float(np.einsum("i,i->", x, y))
+            anormsq += float(np.einsum("i,i->", x, x))
+            bnormsq += float(np.einsum("i,i->", y, y))
+    acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= TINY else 1.0
+    bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= TINY else 1.0
+    for s in range(0, n, CHUNK):  # (each step reads its elements before writing them)
+        m = min(CHUNK, n - s)
+        x, y = room[:, :m]
+        if n > CHUNK:  # (one step: its copies are still there)
+            np.copyto(x, sa[s : s + m], casting="unsafe")
+            np.copyto(y, sb[s : s + m], casting="unsafe")
+        np.multiply(x, acoeff, out=x)
+        np.multiply(y, bcoeff, out=y)
+        np.copyto(so[s : s + m], np.add(x, y, out=x), casting="unsafe")
+
+
+def _combine_many(a: np.ndarray, b: np.ndarray, lens: np.ndarray, out: np.ndarray) -> None:
+    """``combine`` of many small tensors (``lens``: their nonzero lengths, in order), in steps
+    across them: per step, the products' sums per tensor by ``reduceat``, and the output with
+    each element's coefficients repeated from its tensor's."""
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    n = int(ends[-1])
+    k = min(n, CHUNK)
+    x, y, t = np.empty(k), np.empty(k), np.empty(k)
+    sums = np.zeros((3, lens.size))
+    steps = []  # per step: (start, size, its first and past-last tensor, their offsets in it)
+    for s in range(0, n, CHUNK):
+        m = min(CHUNK, n - s)
+        first = int(np.searchsorted(ends, s, side="right"))
+        stop = int(np.searchsorted(starts, s + m, side="left"))
+        at = np.maximum(starts[first:stop] - s, 0)
+        steps.append((s, m, first, stop, at))
+        xs, ys, ts = x[:m], y[:m], t[:m]
+        np.copyto(xs, a[s : s + m], casting="unsafe")
+        np.copyto(ys, b[s : s + m], casting="unsafe")
+        sums[0, first:stop] += np.add.reduceat(np.multiply(xs, ys, out=ts), at)
+        sums[1, first:stop] += np.add.reduceat(np.multiply(xs, xs, out=ts), at)
+        sums[2, first:stop] += np.add.reduceat(np.multiply(ys, ys, out=ts), at)
+    dot, anormsq, bnormsq = sums
+    acoeff, bcoeff = (_coefficients(dot, normsq) for normsq in (anormsq, bnormsq))
+    for s, m, first, stop, at in steps:  # (each step reads its elements before writing them)
+        xs, ys = x[:m], y[:m]
+        if len(steps) > 1:  # (one step: its copies are still there)
+            np.copyto(xs, a[s : s + m], casting="unsafe")
+            np.copyto(ys, b[s : s + m], casting="unsafe")
+        sizes = np.diff(np.append(at, m))
+        np.multiply(xs, np.repeat(acoeff[first:stop], sizes), out=xs)
+        np.multiply(ys, np.repeat(bcoeff[first:stop], sizes), out=ys)
+        np.copyto(out[s : s + m], np.add(xs, ys, out=xs), casting="unsafe")
+
+
+def _coefficients(dot: np.ndarray, normsq: np.ndarray) -> np.ndarray:
+    """1 - dot / (2 normsq) per segment, 1 where the squared norm is below ``TINY`` (the
+    scalar formula's operations, elementwise: the same bits)."""
+    big = normsq >= TINY
+    ratio = np.divide(dot, normsq, out=np.zeros_like(dot), where=big)
+    return np.subtract(1.0, ratio * 0.5, out=np.ones_like(dot), where=big)
 
 
 def adasum_allreduce(t, buf: np.ndarray, counts: Sequence[int], scratch: Scratch) -> None:
