@@ -71,13 +71,13 @@ def combine(a: np.ndarray, b: np.ndarray, counts: Sequence[int], out: np.ndarray
 
     A segment's dot product and squared norms are sums of elementwise products (exact for
     float32 and float16 inputs) in an order fixed by the segments' lengths alone: each step's
-    by NumPy's own loops (``einsum``, compiled for the baseline of NumPy's build, or ``reduceat``
-    over the products where a step holds many small tensors: ``MANY``), the steps' sums added
-    in order. A BLAS dot product (what this
-    used) sums in the order of the kernel it picks for the CPU: OpenBLAS gave other bits for
-    the same vectors as "SkylakeX", "Haswell" and "Prescott" on this VM, so ranks on hosts of
-    different CPU generations computed other coefficients and their results drifted apart.
-    Then ``acoeff * a + bcoeff * b`` in float64, rounded to the type: upstream's scaled add."""
+    by NumPy's own loops (``einsum``, compiled for the baseline of NumPy's build, or
+    ``reduceat`` over the products where a step holds many small tensors: ``MANY``), the
+    steps' sums added in order. A BLAS dot product (what this used) sums in the order of the
+    kernel it picks for the CPU: OpenBLAS gave other bits for the same vectors as "SkylakeX",
+    "Haswell" and "Prescott" on this VM, so ranks on hosts of different CPU generations
+    computed other coefficients and their results drifted apart. Then ``acoeff * a + bcoeff *
+    b`` in float64, rounded to the type: upstream's scaled add."""
     if len(counts) == 1:  # (one tensor: the usual unfused call)
         n = int(counts[0])
         if n:

@@ -16,8 +16,8 @@ span of the call and back after (``flushes``, the check, costs two float operati
 switch, on such a thread only, three calls into libm), and the engine's own thread adopts it at
 its start.
 
-Must not touch: anything but the calling thread's floating-point control state, which a
-``Mode`` used as a context manager restores.
+Must not touch: anything but the calling thread's floating-point control state, which
+``Mode.run`` restores.
 """
 
 from __future__ import annotations
@@ -84,9 +84,8 @@ def _cannot_switch() -> None:
 
 class Mode:
     """The floating-point environment of the thread that made it: whether it flushes
-    subnormals (``flushes``) and the whole environment, to switch other threads to. Used as a
-    context manager, it switches the calling thread to it and back after (one ``Mode`` may be
-    entered by several threads at once: what each restores lives on its own stack)."""
+    subnormals (``flushes``) and the whole environment, to switch other threads to (``run``:
+    for one call, several threads at once; ``adopt``: for good)."""
 
     __slots__ = ("flushes", "_env")
 
