@@ -108,14 +108,37 @@ def test_without_fesetenv_a_thread_in_another_mode_is_warned_once_and_keeps_its_
     def body() -> tuple:
         _flush()
         with caplog.at_level("WARNING", logger="horovod"):
+            differs = job.differs()  # (no switch possible: the call goes on as it is)
             first = job.run(lambda: (fpenv.flushes(), _halves()))
             job.run(lambda: None)
             job.adopt()
-        return first, fpenv.flushes()
+        return differs, first, fpenv.flushes()
 
-    assert _in_thread(body) == ((True, [0, 0, 0]), True)
+    assert _in_thread(body) == (False, (True, [0, 0, 0]), True)
     msgs = [r.getMessage() for r in caplog.records if "hvd.init()" in r.getMessage()]
     assert len(msgs) == 1 and "torch.set_flush_denormal" in msgs[0], msgs
+
+
+def test_a_switch_that_fails_runs_the_call_once_in_the_threads_own_mode(monkeypatch, caplog):
+    """The engine's calls ask ``differs()`` again inside ``run``: where the switch fails, the
+    call must go on in the thread's mode, not ask for the switch again and again."""
+    job = fpenv.Mode()  # (IEEE, with an environment to switch to)
+    monkeypatch.setattr(fpenv, "_CALLS", (lambda env: -1, lambda env: -1))  # (both fail)
+    monkeypatch.setattr(fpenv, "_warned", False)
+    asked: list[bool] = []
+
+    def call() -> bool:
+        asked.append(job.differs())
+        return fpenv.flushes()
+
+    def body() -> tuple:
+        _flush()
+        with caplog.at_level("WARNING", logger="horovod"):
+            return job.differs(), job.run(call)
+
+    assert _in_thread(body) == (True, True)
+    assert asked == [False]
+    assert [r for r in caplog.records if "hvd.init()" in r.getMessage()]
 
 
 # Every rank flushes subnormals on its training thread, as a user following docs/pytorch.md

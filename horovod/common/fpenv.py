@@ -97,27 +97,34 @@ class Mode:
             if _CALLS[0](env) == 0:
                 self._env = env
 
+    def differs(self) -> bool:
+        """Must a call on the calling thread switch to this environment (``run``): does the
+        thread flush where this one does not, or the other way round, and can it switch?"""
+        if flushes() == self.flushes:
+            return False
+        if self._env is None:
+            _cannot_switch()
+            return False
+        return True
+
     def adopt(self) -> None:
         """Switch the calling thread to this environment for good (a thread of Horovod's own
         that computes reductions: it inherited its starter's)."""
-        if flushes() != self.flushes:
-            if self._env is None:
-                _cannot_switch()
-            else:
-                _CALLS[1](self._env)  # type: ignore[index]
+        if self.differs():
+            _CALLS[1](self._env)  # type: ignore[index]
 
     def run(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)`` in this environment, the calling thread's restored after (call it
-        where ``flushes() != self.flushes``)."""
-        if self._env is None:
-            _cannot_switch()
-            return fn(*args)
-        get, put = _CALLS  # type: ignore[misc]
-        saved = ctypes.create_string_buffer(_ENV_BYTES)
-        if get(saved) != 0 or put(self._env) != 0:
-            _cannot_switch()
-            return fn(*args)
-        try:
-            return fn(*args)
-        finally:
-            put(saved)
+        """``fn(*args)`` in this environment, the calling thread's restored after (where
+        ``differs()``). Where the switch fails, ``fn`` runs in the thread's own, warned once,
+        and ``differs()`` says False from then on (``fn`` may ask it again)."""
+        if self._env is not None:
+            get, put = _CALLS  # type: ignore[misc]
+            saved = ctypes.create_string_buffer(_ENV_BYTES)
+            if get(saved) == 0 and put(self._env) == 0:
+                try:
+                    return fn(*args)
+                finally:
+                    put(saved)
+            self._env = None
+        _cannot_switch()
+        return fn(*args)

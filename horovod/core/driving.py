@@ -18,7 +18,6 @@ import time
 import traceback
 
 from horovod.common.exceptions import TransportError, shutdown_message
-from horovod.common.fpenv import flushes
 from horovod.common.log import logger
 from horovod.core.handles import Entry, Handle
 from horovod.core.messages import (
@@ -185,7 +184,7 @@ class Driving(PeerRounds):
         """``run_until`` with ``drive`` held; ``quick``: first run this entry's data round
         the quick way (``_quick``). The engine's arithmetic runs in the job's floating-point
         environment, whatever the calling thread's (``fpenv``)."""
-        if flushes() != self.fp_mode.flushes:  # (this thread's differs: the call in the job's)
+        if self.fp_mode.differs():  # (this thread's mode is not the job's: the call in the job's)
             self.fp_mode.run(self._drive, handle, quick)
             return
         self.polled.set_driving(True)

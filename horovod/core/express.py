@@ -20,7 +20,6 @@ from typing import Any, cast
 import numpy as np
 
 from horovod.common.dtypes import CODE_OF
-from horovod.common.fpenv import flushes
 from horovod.core import ops, pool
 from horovod.core.driving import Driving
 from horovod.core.handles import BareEntry, Entry, Handle, np_alloc
@@ -218,7 +217,7 @@ class ExpressPaths(Driving):
         an error) gets its entry at that point, in the state a submission would have had, and
         goes on from there. It computes in the job's floating-point environment (``fpenv``:
         every rank computes a data round's result itself, so all of them must compute alike)."""
-        if flushes() != self.fp_mode.flushes:  # (this thread's differs: the call in the job's)
+        if self.fp_mode.differs():  # (this thread's mode is not the job's: the call in the job's)
             return self.fp_mode.run(self.express, op, name, arr, out, reduce_op, root, site)
         if (
             self.table
