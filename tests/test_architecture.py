@@ -50,9 +50,11 @@ ALLOWED: dict[str, set[str]] = {
     # tools on top: nothing in the runtime imports them (no layer above lists them)
     "timeline": {"common"},
     "testing": {"common", "core", "frontend", "transport", "numpy"},
-    # (transport: the MPI plane benchmark times the plane's MPI calls)
+    # (transport: the MPI plane benchmark times the plane's MPI calls; collectives: the Adasum
+    # benchmark times its combination)
     "benchmarks": {
         "common",
+        "collectives",
         "testing",
         "numpy",
         "torch",
