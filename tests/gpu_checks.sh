@@ -28,6 +28,6 @@ step() {  # step NAME SECONDS CMD...: run with a limit, log to $out/NAME.log, sa
 } >"$out/env.log" 2>&1
 cat "$out/env.log"
 pytest=("$py" -m pytest -p no:cacheprovider -q -rfEs --timeout 150)
-step device_plane_tests 200 "${pytest[@]}" tests/test_device_plane_gpu.py tests/test_device_plane.py ${GPU_CHECKS_K:+-k "$GPU_CHECKS_K"}
+step device_plane_tests 320 "${pytest[@]}" tests/test_device_plane_gpu.py tests/test_device_plane.py ${GPU_CHECKS_K:+-k "$GPU_CHECKS_K"}
 step torch_cuda_test 60 "${pytest[@]}" tests/test_torch.py -k cuda
 TAIL=40 step gpu_benchmark 220 "$py" -m horovod.benchmarks.gpu
