@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from horovod.collectives import subnormals
 from horovod.transport.base import Message, Reducer, Scratch, SubTransport, as_bytes
 
 SMALL_BYTES = 128 * 1024  # HOROVOD_RING_THRESHOLD_BYTES, set at hvd.init()
@@ -64,19 +65,24 @@ def average_post(postscale: float, n: int) -> Post:
     return Finish(postscale, n)
 
 
-def scale(buf: np.ndarray, factor: Post) -> None:
+def scale(buf: np.ndarray, factor: Post, wide: bool | None = None) -> None:
     """In-place ``buf *= factor`` with upstream's numerics: float math in the buffer's type
     (float16 via float32), integers in float64 truncated toward zero. A ``Finish`` scales by
     its factor, then divides by its divisor (floats correctly rounded, integers truncated
-    toward zero)."""
-    if isinstance(factor, Finish):
-        scale(buf, factor.factor)
-        _divide(buf, factor.divisor)
-        return
+    toward zero). ``wide``: float32 ``buf`` holds subnormal values, so it is scaled through
+    float64 (the same bits, without x86's assists: ``subnormals``); None: look, if large."""
     if factor == 1.0 or buf.size == 0:
         return
+    if wide is None:
+        wide = buf.size >= subnormals.MIN_ELEMENTS and subnormals.likely(buf)
+    if isinstance(factor, Finish):
+        scale(buf, factor.factor, wide)
+        _divide(buf, factor.divisor, wide)
+        return
     kind = buf.dtype.kind
-    if kind == "f" and buf.dtype.itemsize >= 4:
+    if wide and buf.dtype is subnormals.FLOAT32:
+        subnormals.multiply(buf.reshape(-1), factor)
+    elif kind == "f" and buf.dtype.itemsize >= 4:
         np.multiply(buf, buf.dtype.type(factor), out=buf)
     elif kind in "iu":
         np.copyto(buf, np.trunc(buf.astype(np.float64) * factor), casting="unsafe")
@@ -84,11 +90,13 @@ def scale(buf: np.ndarray, factor: Post) -> None:
         np.copyto(buf, buf.astype(np.float32) * np.float32(factor), casting="unsafe")
 
 
-def _divide(buf: np.ndarray, n: int) -> None:
+def _divide(buf: np.ndarray, n: int, wide: bool) -> None:
     if n == 1 or buf.size == 0:
         return
     kind = buf.dtype.kind
-    if kind == "f" and buf.dtype.itemsize >= 4:
+    if wide and buf.dtype is subnormals.FLOAT32:
+        subnormals.divide(buf.reshape(-1), n)
+    elif kind == "f" and buf.dtype.itemsize >= 4:
         np.divide(buf, buf.dtype.type(n), out=buf)
     elif kind in "iu":  # exact: the quotient truncated toward zero
         q = np.abs(buf) // n
@@ -97,17 +105,20 @@ def _divide(buf: np.ndarray, n: int) -> None:
         np.copyto(buf, buf.astype(np.float32) / np.float32(n), casting="unsafe")
 
 
-def _scaled(op: Reducer, factor: Post) -> Reducer:
+def _scaled(op: Reducer, factor: Post, buf: np.ndarray, mine: np.ndarray) -> Reducer:
     """``op`` followed by ``scale(out, factor)`` on what it wrote. The transports apply a
     reducer chunk by chunk as data arrives, so a ring's last reduce step scales each chunk
     while it is in cache, instead of a pass over the whole buffer afterwards (an average of
-    64 MiB took 1.5x a sum that way). The same bits: one multiply per element either way."""
+    64 MiB took 1.5x a sum that way). The same bits: one multiply per element either way.
+    Whether the chunks go through float64 is decided once for the whole of ``buf`` (whose
+    subnormals are looked for in ``mine``, this rank's part of it: ``subnormals.likely``)."""
     if factor == 1.0:
         return op
+    wide = subnormals.likely(buf, mine)
 
     def reduce_then_scale(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
         op(a, b, out=out)
-        scale(out, factor)
+        scale(out, factor, wide)
         return out
 
     return reduce_then_scale
@@ -298,7 +309,7 @@ def _reduce_scatter_ring(
     n, me = t.size, t.rank
     offs = _offsets(counts)
     right, left = (me + 1) % n, (me - 1) % n
-    last = _scaled(op, post)
+    last = _scaled(op, post, buf, buf[offs[me] : offs[me] + counts[me]])
     for s in range(n - 1):
         si = (me - s - 1) % n
         ri = (me - s - 2) % n

@@ -1,0 +1,175 @@
+"""Float32 buffers that hold subnormal values are scaled through float64 (``subnormals``): the
+same bits as a float32 multiplication or division, without x86's microcode assists. The
+arithmetic is checked on every float32 of small magnitude and on random bit patterns, the
+sampling and its schedule on buffers built for it, and Average allreduces of large buffers a
+third of whose values are subnormal against the correctly rounded quotient at 2 and 3 ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import horovod.numpy as hvd
+from horovod.collectives import algorithms as alg
+from horovod.collectives import subnormals
+from horovod.testing import run_ranks
+
+TINY = np.float32(2.0**-149)  # the least subnormal float32
+
+
+def bit_patterns() -> np.ndarray:
+    """Every float32 below 2**-122 in magnitude (all subnormals and the least normals, both
+    signs), the specials, and a million random bit patterns."""
+    low = np.arange(1 << 25, dtype=np.int32)
+    rand = np.random.default_rng(3).integers(-(2**31), 2**31 - 1, 1 << 20, dtype=np.int64)
+    specials = np.array([np.inf, -np.inf, np.nan, 3.4e38, -3.4e38, 1.0, -0.0], np.float32)
+    return np.concatenate(
+        [low, low | np.int32(-(2**31)), rand.astype(np.int32), specials.view(np.int32)]
+    ).view(np.float32)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.all((a.view(np.int32) == b.view(np.int32)) | (np.isnan(a) & np.isnan(b))))
+
+
+@pytest.fixture(scope="module")
+def patterns() -> np.ndarray:
+    return bit_patterns()
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.25, 1 / 3, 0.1, 3.0, 1e30])
+def test_multiply_through_float64_gives_float32_bits(patterns, factor):
+    want = patterns.copy()
+    got = patterns.copy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.multiply(want, np.float32(factor), out=want)
+        subnormals.multiply(got, factor)
+    assert same_bits(want, got)
+
+
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 1000])
+def test_divide_through_float64_gives_the_correctly_rounded_float32_quotient(patterns, n):
+    want = patterns.copy()
+    got = patterns.copy()
+    with np.errstate(invalid="ignore"):
+        np.divide(want, np.float32(n), out=want)
+        subnormals.divide(got, n)
+    assert same_bits(want, got)
+
+
+def test_present_finds_subnormals_in_any_sampled_run_and_not_zeros():
+    normal = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
+    assert not subnormals.present(normal)
+    assert not subnormals.present(np.zeros(1 << 16, np.float32))
+    assert not subnormals.present(-np.zeros(1 << 16, np.float32))
+    assert not subnormals.present(np.full(1 << 16, np.finfo(np.float32).smallest_normal))
+    for sign in (1, -1):
+        third = normal.copy()
+        third[::3] = sign * 5 * TINY
+        assert subnormals.present(third)
+    largest = normal.copy()
+    largest[(1 << 16) // 2] = np.float32(2.0**-126) - TINY  # the largest subnormal, one value
+    assert subnormals.present(largest)  # (the start of a sampled run)
+    assert subnormals.present(np.array([0, TINY], np.float32))  # a part too small: all of it
+    assert not subnormals.present(np.zeros(0, np.float32))
+
+
+def test_likely_looks_at_every_buffer_of_a_size_while_it_finds_some_else_one_in_recheck():
+    size = subnormals.MIN_ELEMENTS + 12345  # (sizes no other test uses: fresh schedules)
+    found = np.full(size, TINY, np.float32)
+    normal = np.ones(size, np.float32)
+    other = np.full(size + 1, TINY, np.float32)
+    assert all(subnormals.likely(found) for _ in range(3))
+    assert not subnormals.likely(normal)  # looked, found none ...
+    assert subnormals.likely(other)  # (another size: its own schedule)
+    skipped = [subnormals.likely(found) for _ in range(subnormals.RECHECK - 1)]
+    assert skipped == [False] * (subnormals.RECHECK - 1)  # ... so the next ones are not looked at
+    assert subnormals.likely(found)
+    assert subnormals.likely(other)
+    # this rank's part is looked at, the size and type are the whole buffer's
+    assert subnormals.likely(normal, found[:1000])
+    assert not subnormals.likely(found[: subnormals.MIN_ELEMENTS - 1])  # (too small)
+    assert not subnormals.likely(found.astype(np.float64))  # (float32 only)
+
+
+def test_scale_goes_through_float64_only_for_large_buffers_with_subnormals(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subnormals, "multiply", lambda flat, f: calls.append(flat.size))
+    big = np.full(subnormals.MIN_ELEMENTS, TINY * 3, np.float32)
+    assert any(subnormals.likely(big) for _ in range(subnormals.RECHECK))  # (its turn)
+    alg.scale(big, 0.5)
+    alg.scale(np.full(subnormals.MIN_ELEMENTS - 1, TINY * 3, np.float32), 0.5)  # too small
+    alg.scale(big.astype(np.float64), 0.5)  # (float32 only)
+    alg.scale(np.ones(subnormals.MIN_ELEMENTS, np.float32), 0.5)  # none found
+    assert calls == [subnormals.MIN_ELEMENTS]
+
+
+@pytest.mark.parametrize(
+    "post", [0.5, alg.Finish(1.0, 3), alg.Finish(0.7, 6)], ids=["half", "third", "scaled-sixth"]
+)
+def test_scale_gives_the_same_bits_either_way(post):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(subnormals.MIN_ELEMENTS) * 1e-3).astype(np.float32)
+    x[rng.random(x.size) < 0.35] = TINY * 7
+    narrow, wide, looked = x.copy(), x.copy(), x.copy()
+    alg.scale(narrow, post, False)
+    alg.scale(wide, post, True)
+    alg.scale(looked, post)
+    assert narrow.tobytes() == wide.tobytes() == looked.tobytes()
+
+
+def exact_data(rank: int, size: int) -> np.ndarray:
+    """A third of the values subnormal (multiples of the least subnormal), the rest multiples
+    of 1/8: sums over a few ranks are exact, so any algorithm's order gives the same sum."""
+    rng = np.random.default_rng(rank)
+    x = (rng.integers(-64, 65, size) / 8).astype(np.float32)
+    tiny = np.arange(size) % 3 == 0
+    x[tiny] = rng.integers(-(1 << 20), 1 << 20, int(tiny.sum())).astype(np.float32) * TINY
+    return x
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_average_of_subnormal_gradients_is_the_correctly_rounded_quotient(n):
+    size = 600_000  # (a 2.4 MB bucket: the ring, looked at for subnormals)
+
+    def body(rank):
+        wide = []  # the blocks scaled through float64 (2 ranks multiply by 1/2, 3 divide by 3)
+        for fn in ("multiply", "divide"):
+            real = getattr(subnormals, fn)
+            setattr(subnormals, fn, lambda flat, f, real=real: (wide.append(1), real(flat, f)))
+        x = exact_data(rank, size)
+        # (a rank process may have inherited the schedule of a test before: from the next
+        # buffer that is looked at on, every one is)
+        assert any(subnormals.likely(x) for _ in range(subnormals.RECHECK))
+        results = [hvd.allreduce(x, op=hvd.Average, name="avg.subnormal") for _ in range(3)]
+        return results, len(wide)
+
+    total = np.sum([exact_data(r, size).astype(np.float64) for r in range(n)], 0)
+    want = (total / n).astype(np.float32)
+    assert np.count_nonzero(np.abs(want) < np.finfo(np.float32).smallest_normal) > size // 4
+    for rank, (got, wide) in enumerate(run_ranks(body, n)):
+        for call, res in enumerate(got):
+            assert res.tobytes() == want.tobytes(), (rank, call)
+        assert wide >= 3, rank  # every call's average went through float64
+
+
+def test_the_average_benchmark_compares_a_baseline_checkout(tmp_path):
+    """``horovod.benchmarks.average`` times Average allreduces (with a third of the values
+    subnormal in some rows) in jobs of this checkout and of a baseline's, alternating (here the
+    baseline is a copy of this one), and prints their ratio."""
+    import shutil
+
+    from conftest import REPO, run_module
+
+    from horovod.benchmarks.average import ROWS, label
+
+    shutil.copytree(REPO / "horovod", tmp_path / "horovod")
+    r = run_module(
+        "horovod.benchmarks.average", "--quick", "--repeats", "1", "--baseline", str(tmp_path)
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    for nbytes, subnormal in ROWS:
+        row = next(
+            ln for ln in r.stdout.splitlines() if ln.startswith(f"| {label(nbytes, subnormal)} |")
+        )
+        assert row.rstrip(" |").endswith("x") and row.count("|") == 5, row
