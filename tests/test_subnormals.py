@@ -90,6 +90,7 @@ def test_likely_looks_at_every_buffer_of_a_size_while_it_finds_some_else_one_in_
     assert subnormals.likely(normal, found[:1000])
     assert not subnormals.likely(found[: subnormals.MIN_ELEMENTS - 1])  # (too small)
     assert not subnormals.likely(found.astype(np.float64))  # (float32 only)
+    assert not subnormals.likely(np.full(2 * size, TINY, np.float32)[::2])  # (contiguous only)
 
 
 def test_scale_goes_through_float64_only_for_large_buffers_with_subnormals(monkeypatch):
@@ -102,6 +103,10 @@ def test_scale_goes_through_float64_only_for_large_buffers_with_subnormals(monke
     alg.scale(big.astype(np.float64), 0.5)  # (float32 only)
     alg.scale(np.ones(subnormals.MIN_ELEMENTS, np.float32), 0.5)  # none found
     assert calls == [subnormals.MIN_ELEMENTS]
+    strided = np.full(2 * subnormals.MIN_ELEMENTS, TINY * 3, np.float32)[::2]
+    alg.scale(strided, 0.5, True)  # (not contiguous: in float32, in place all the same)
+    assert calls == [subnormals.MIN_ELEMENTS]
+    assert strided.tobytes() == np.full(strided.size, TINY * 3 * np.float32(0.5)).tobytes()
 
 
 @pytest.mark.parametrize(

@@ -69,8 +69,9 @@ def scale(buf: np.ndarray, factor: Post, wide: bool | None = None) -> None:
     """In-place ``buf *= factor`` with upstream's numerics: float math in the buffer's type
     (float16 via float32), integers in float64 truncated toward zero. A ``Finish`` scales by
     its factor, then divides by its divisor (floats correctly rounded, integers truncated
-    toward zero). ``wide``: float32 ``buf`` holds subnormal values, so it is scaled through
-    float64 (the same bits, without x86's assists: ``subnormals``); None: look, if large."""
+    toward zero). ``wide``: float32 ``buf`` (C-contiguous) holds subnormal values, so it is
+    scaled through float64 (the same bits, without x86's assists: ``subnormals``); None: look,
+    if large."""
     if factor == 1.0 or buf.size == 0:
         return
     if wide is None:
@@ -80,7 +81,7 @@ def scale(buf: np.ndarray, factor: Post, wide: bool | None = None) -> None:
         _divide(buf, factor.divisor, wide)
         return
     kind = buf.dtype.kind
-    if wide and buf.dtype is subnormals.FLOAT32:
+    if wide and buf.dtype is subnormals.FLOAT32 and buf.flags.c_contiguous:
         subnormals.multiply(buf.reshape(-1), factor)
     elif kind == "f" and buf.dtype.itemsize >= 4:
         np.multiply(buf, buf.dtype.type(factor), out=buf)
@@ -94,7 +95,7 @@ def _divide(buf: np.ndarray, n: int, wide: bool) -> None:
     if n == 1 or buf.size == 0:
         return
     kind = buf.dtype.kind
-    if wide and buf.dtype is subnormals.FLOAT32:
+    if wide and buf.dtype is subnormals.FLOAT32 and buf.flags.c_contiguous:
         subnormals.divide(buf.reshape(-1), n)
     elif kind == "f" and buf.dtype.itemsize >= 4:
         np.divide(buf, buf.dtype.type(n), out=buf)

@@ -63,12 +63,13 @@ def present(flat: np.ndarray) -> bool:
 
 
 def likely(buf: np.ndarray, part: np.ndarray | None = None) -> bool:
-    """Should ``buf`` be scaled through float64: is it float32 of ``MIN_ELEMENTS`` or more, is
-    it the turn of buffers of its size to be looked at (every one while subnormals keep being
-    found, else one in ``RECHECK``; a size stands for a gradient bucket, which comes back every
-    step), and does it (or ``part``, this rank's part of it) hold subnormals (``present``)?"""
+    """Should ``buf`` be scaled through float64: is it C-contiguous float32 of ``MIN_ELEMENTS``
+    or more, is it the turn of buffers of its size to be looked at (every one while subnormals
+    keep being found, else one in ``RECHECK``; a size stands for a gradient bucket, which comes
+    back every step), and does it (or ``part``, this rank's part of it) hold subnormals
+    (``present``)?"""
     size = buf.size
-    if size < MIN_ELEMENTS or buf.dtype is not FLOAT32:
+    if size < MIN_ELEMENTS or buf.dtype is not FLOAT32 or not buf.flags.c_contiguous:
         return False
     skips = _skips
     left = skips.get(size, 0)
