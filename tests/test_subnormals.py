@@ -57,6 +57,30 @@ def test_divide_through_float64_gives_the_correctly_rounded_float32_quotient(pat
     assert same_bits(want, got)
 
 
+def test_through_float64_flushes_as_float32_does_where_the_thread_flushes(patterns):
+    """A job whose ``hvd.init()`` thread flushes subnormals to zero computes its reductions so
+    (``fpenv``): the float64 way must flush the same values (the conversions read subnormal
+    inputs as zero and flush subnormal results, as the float32 arithmetic does)."""
+    torch = pytest.importorskip("torch")
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        for factor in (0.5, 1 / 3, 3.0):
+            want, got = patterns.copy(), patterns.copy()
+            with np.errstate(over="ignore", invalid="ignore"):
+                np.multiply(want, np.float32(factor), out=want)
+                subnormals.multiply(got, factor)
+            assert same_bits(want, got), factor
+        want, got = patterns.copy(), patterns.copy()
+        with np.errstate(invalid="ignore"):
+            np.divide(want, np.float32(3), out=want)
+            subnormals.divide(got, 3)
+        assert same_bits(want, got)
+        assert not np.any((want != 0) & (np.abs(want) < np.finfo(np.float32).smallest_normal))
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def test_present_finds_subnormals_in_any_sampled_run_and_not_zeros():
     normal = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
     assert not subnormals.present(normal)
