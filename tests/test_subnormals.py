@@ -18,7 +18,7 @@ TINY = np.float32(2.0**-149)  # the least subnormal float32
 
 
 def bit_patterns() -> np.ndarray:
-    """Every float32 below 2**-122 in magnitude (all subnormals and the least normals, both
+    """Every float32 below 2**-123 in magnitude (all subnormals and the least normals, both
     signs), the specials, and a million random bit patterns."""
     low = np.arange(1 << 25, dtype=np.int32)
     rand = np.random.default_rng(3).integers(-(2**31), 2**31 - 1, 1 << 20, dtype=np.int64)

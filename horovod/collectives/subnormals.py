@@ -9,7 +9,7 @@ float64, a block at a time (``multiply``, ``divide``): a product of two float32 
 in float64 and is rounded once on the way back, which is ``np.multiply``'s float32 result; a
 float64 quotient rounded to float32 is the correctly rounded float32 quotient (float64 has more
 than twice float32's precision plus two bits, so the double rounding is innocuous; checked
-against ``np.divide`` on every float32 of magnitude below 2**-101 and 20 million random ones).
+against ``np.divide`` on every float32 below 2**-123 in magnitude and a million random ones).
 Either way every rank computes the same bits; the choice only moves the time.
 
 Looking costs a few microseconds (``present``: 256 values in runs of 16, one cache line each),
