@@ -1162,36 +1162,100 @@ def test_peer_round_board_posts_are_read_by_every_rank_once_all_posted():
         _close(ts)
 
 
+def test_board_posts_move_along_their_slot_and_readers_find_them():
+    """A post goes right after the last one of its parity (on a cache line), back to the
+    start of the slot where it would not fit, and its header says where: readers get exactly
+    the posted bytes at any position, parts of one post stay together, and the next post of
+    the same parity never overwrites the last one's bytes."""
+    from horovod.transport.shm.board import ALIGN
+    from horovod.transport.shm.layout import BOARD_DATA
+
+    ts = _make("shm", 2)
+    try:
+        b = [t.board for t in ts]
+        b[0].move = True  # (as with a core per rank: off where ranks outnumber the cores)
+        rng = np.random.default_rng(3)
+        starts: list[int] = []
+        sizes = [5, 1000, 300_000, 700_000, 1, 0, BOARD_DATA, 64, 900_000, 900_000, 900_000]
+        for n, size in enumerate(sizes, 1):
+            data = rng.integers(0, 256, size, dtype=np.uint8)
+            cut = size // 3  # (two parts: they land one after the other)
+            ts[0].board_post([n], [memoryview(data[:cut]), memoryview(data[cut:])], tag=n)
+            ts[1].board_post([n], [])
+            assert all(x.due() for x in b)
+            (r, tag, ids, got, out) = b[1].read()[0]
+            assert (r, tag, ids, out) == (0, n, [n], -1)
+            assert bytes(got) == data.tobytes()
+            b[0].read()
+            head, _ = b[0]._mine[n % 2]
+            starts.append(head[5])
+            for x in b:
+                x.open = False
+        # Round by round, parities alternating (odd rounds in slot 1, even in slot 0): where
+        # each post started in its slot. Slot 1: 5 B at 0, 300,000 B at 64, 1 B at 300,096
+        # (the end aligned up), the whole room back at 0, then 900,000 B at 0 (no room left
+        # after it) and at 900,032. Slot 0: 1000 B at 0, 700,000 at 1024, nothing at
+        # 701,056, 64 B there too, 900,000 at 701,120.
+        assert ALIGN == 64
+        assert starts == [0, 0, 64, 1024, 300_096, 701_056, 0, 701_056, 0, 701_120, 900_032]
+        b[0].move = False
+        for n in (12, 13, 14):
+            ts[0].board_post([n], [memoryview(b"x" * 100)])
+            ts[1].board_post([n], [])
+            assert [bytes(d) for _, _, _, d, _ in b[1].read()] == [b"x" * 100]
+            b[0].read()
+            assert b[0]._mine[n % 2][0][5] == 0
+            for x in b:
+                x.open = False
+    finally:
+        _close(ts)
+
+
 def test_output_slots_are_free_while_no_result_views_them_and_read_once_acked():
     """Allgather results may live in a rank's output slots, where its peers read its block:
     a slot is handed out again only once no view of it is alive, a post names its slot, and
     the owner waits (asleep, woken by the ack) until every peer has read it."""
-    from horovod.transport.shm.layout import OUT_BYTES, OUT_SLOTS
+    from horovod.transport.shm.layout import OUT_BYTES, OUT_SLOTS, PAGE, out_place, out_where
 
     ts = _make("shm", 3, spin_us=0.0)
     try:
         t0 = ts[0]
         assert OUT_SLOTS == 2 and t0.outputs
+        # (3 ranks on fewer cores keep every result at the start of its slot: below)
+        oversubscribed, t0._yield = t0._yield, False
         assert t0.out_slot(OUT_BYTES + 1) == -1  # too large for a slot
         k = t0.out_slot(1000)
-        assert k == 0
-        view = t0.out_owners[k][:1000].view(np.float32).reshape(25, 10)
-        assert t0.out_slot(1000) == 1  # slot 0 is viewed by a result
-        held = t0.out_owners[1][8:16]
+        assert out_where(k) == (0, 0)
+        view = t0.out_owner(k)[:1000].view(np.float32).reshape(25, 10)
+        assert out_where(t0.out_slot(1000)) == (1, 0)  # slot 0 is viewed by a result
+        held = t0.out_owner(out_place(1, 0))[8:16]
         assert t0.out_slot(1000) == -1  # both are
         del view
-        assert t0.out_slot(1000) == 0
-        del held
-        assert t0.out_slot(1000) == 0
-        # Rank 0 posts with its block in slot 1; the others read it there.
-        t0.out_owners[1][:4] = np.frombuffer(b"blk0", np.uint8)
-        t0.board_post([3], [], out=1)
+        # Slot 0 again, after its last result (on the next page): the peers' caches no longer
+        # hold what a block written there overwrites; back at 0 where a result would not fit.
+        assert out_where(t0.out_slot(1000)) == (0, PAGE)
+        assert out_where(t0.out_slot(OUT_BYTES - 2 * PAGE)) == (0, 2 * PAGE)
+        assert out_where(t0.out_slot(PAGE + 1)) == (0, 0)
+        view = t0.out_owner(out_place(0, PAGE))
+        assert view.base is t0.out_owners[0] and view.nbytes == OUT_BYTES - PAGE
+        assert t0.out_slot(1000) == -1  # (the view keeps slot 0, ``held`` slot 1)
+        del view, held
+        assert out_where(t0.out_slot(1000)) == (0, 2 * PAGE)
+        t0._yield = True  # ranks outnumbering the cores: places stay put
+        assert [out_where(t0.out_slot(1000)) for _ in range(2)] == [(0, 0)] * 2
+        t0._yield = oversubscribed
+        # Rank 0 posts with its block in slot 1 at its third page; the others read it there.
+        place = out_place(1, 3 * PAGE)
+        t0.out_owner(place)[:4] = np.frombuffer(b"blk0", np.uint8)
+        t0.board_post([3], [], out=place)
         ts[1].board_post([3], [memoryview(b"r1")])
         ts[2].board_post([3], [], out=0)
         b = [t.board for t in ts]
         assert all(x.due() for x in b)
-        assert [(r, bytes(d), o) for r, _, _, d, o in b[1].read()] == [(0, b"", 1), (2, b"", 0)]
-        assert bytes(ts[1].peer_out(0, 1)[:4]) == b"blk0"
+        got = [(r, bytes(d), o) for r, _, _, d, o in b[1].read()]
+        assert got == [(0, b"", place), (2, b"", 0)]
+        assert bytes(ts[1].peer_out(0, place)[:4]) == b"blk0"
+        assert bytes(ts[1].peer_out(0, out_place(1, 0))[3 * PAGE : 3 * PAGE + 4]) == b"blk0"
         assert b[0].unacked() == [1, 2] and not b[0].all_acked()
         woke = threading.Event()
 

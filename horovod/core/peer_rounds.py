@@ -189,7 +189,7 @@ class PeerRounds(Executor):
         k: int = t.out_slot(sum(sizes))
         if k >= 0:
             at = sum(sizes[:me])
-            owner = t.out_owners[k]
+            owner = t.out_owner(k)
             owner[at : at + nb] = array.reshape(-1).view(np.uint8)
         return k
 
@@ -388,7 +388,7 @@ class PeerRounds(Executor):
         t = self.polled
         if outs[me] >= 0:  # this rank's block is in place already
             self.stats["slot_outputs"] += 1
-            owner = t.out_owners[outs[me]]
+            owner = t.out_owner(outs[me])
             res = owner[: math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
         else:
             res = alloc(shape, dtype)

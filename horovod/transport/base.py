@@ -262,11 +262,15 @@ class PolledTransport(Transport):
         raise NotImplementedError("this transport has no peer-round board")
 
     def out_slot(self, nbytes: int) -> int:
-        """A free output slot for a result of ``nbytes``, or -1."""
+        """A place for a result of ``nbytes`` in a free output slot, or -1."""
         return -1
 
-    def peer_out(self, peer: int, k: int) -> memoryview:
-        """Output slot ``k`` of same-host rank ``peer`` (read-only use)."""
+    def out_owner(self, place: int) -> np.ndarray:
+        """This rank's output bytes from ``place`` on (``out_slot``)."""
+        raise NotImplementedError("this transport has no output slots")
+
+    def peer_out(self, peer: int, place: int) -> memoryview:
+        """Output bytes of same-host rank ``peer`` from ``place`` on (read-only use)."""
         raise NotImplementedError("this transport has no output slots")
 
     def board_ack(self, readers_of: Sequence[int]) -> None:

@@ -13,11 +13,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler
 from horovod.transport.mixed_board import MixedBoard
 from horovod.transport.shm.board import Board
-from horovod.transport.shm.layout import FRAME, OUT_BYTES, RING
+from horovod.transport.shm.layout import FRAME, OUT_BYTES, PAGE, RING, out_place, out_where
 from horovod.transport.shm.waiting import ShmWaiting
 
 
@@ -93,21 +95,37 @@ class ShmControl(ShmWaiting):
             self._wake(peer, ctrl=True)
 
     def out_slot(self, nbytes: int) -> int:
-        """A free output slot of this rank for a result of ``nbytes`` (``out_owners[k]`` is
-        a uint8 array over all of it), or -1: outputs off, too large, or every slot still
-        referenced by an earlier result. A slot is free again once no view of it is alive,
-        as in the engine's output pool."""
+        """A place for a result of ``nbytes`` in a free output slot of this rank (``out_owner``
+        gives its bytes), or -1: outputs off, too large, or every slot still referenced by an
+        earlier result. A slot is free again once no view of it is alive, as in the engine's
+        output pool. In a slot, each result goes right after the last one (back to the start
+        where it would not fit): its block is then not written over lines the peers have just
+        read from there, which their caches would first have to give back (the board's posts
+        move the same way, and for the same reason: ``shm.board``). Not where the host's ranks
+        outnumber its cores (``oversubscribed``): there it measured no faster."""
         if nbytes <= OUT_BYTES:
             owners = self.out_owners
             for k in range(len(owners)):
                 # 2 = the list's reference and getrefcount's argument: no view is alive.
                 if sys.getrefcount(owners[k]) == 2:
-                    return k
+                    # (ranks taking turns on the cores: measured no faster there)
+                    at = 0 if self._yield else self._out_next[k]
+                    if at + nbytes > OUT_BYTES:
+                        at = 0
+                    self._out_next[k] = -(-(at + nbytes) // PAGE) * PAGE
+                    return out_place(k, at)
         return -1
 
-    def peer_out(self, peer: int, k: int) -> memoryview:
-        """Output slot ``k`` of local rank ``peer`` (read-only use)."""
-        return self._out_views[peer][k]
+    def out_owner(self, place: int) -> np.ndarray:
+        """This rank's output bytes from ``place`` on (``out_slot``), as a uint8 array whose
+        views keep the slot taken."""
+        k, at = out_where(place)
+        return self.out_owners[k][at:]
+
+    def peer_out(self, peer: int, place: int) -> memoryview:
+        """Output bytes of local rank ``peer`` from ``place`` on (read-only use)."""
+        k, at = out_where(place)
+        return self._out_views[peer][k][at:]
 
     def board_ack(self, readers_of: Sequence[int]) -> None:
         """This rank has read the output slots of ``readers_of`` for its round: tell them (a

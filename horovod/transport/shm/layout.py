@@ -32,6 +32,20 @@ OUT_BYTES = 2 * BOARD_DATA
 # ... for a rank's own block from this size on: below it the post is faster (the copy saved
 # costs less than the wait for the peers' acks; timed in one job, benchmarks.md, stop 56).
 OUT_MIN = 320 * 1024
+
+
+def out_place(slot: int, at: int) -> int:
+    """The number a post carries for a result in output slot ``slot`` from byte ``at`` (a
+    multiple of ``PAGE``): results move along their slot from use to use, like posts on the
+    board, so that a block is not written where the peers have just read the last one."""
+    return slot + OUT_SLOTS * (at // PAGE)
+
+
+def out_where(place: int) -> tuple[int, int]:
+    """(slot, byte offset) of an output ``place`` (``out_place``)."""
+    return place % OUT_SLOTS, place // OUT_SLOTS * PAGE
+
+
 # Own-block copies interleaved with single-copy reads (``exchange_copy``): this much of the
 # peer's message is read, then as large a share of the copies, so both ranks' blocks pass
 # through the shared cache once for the two readers (the owner's copy, the peer's read).

@@ -113,6 +113,7 @@ class ShmSegments(PolledTransport):
         self.out_min = OUT_MIN
         self._out_views: dict[int, list[memoryview]] = {}
         self.out_owners: list[np.ndarray] = []
+        self._out_next = [0] * OUT_SLOTS  # where the next result goes in each slot
         # Single copy (cross-memory attach): messages of at least this many bytes (0: off).
         self.single_copy = 0
         self.split_copy = False  # large two-rank broadcasts: root writes half, receiver reads half
@@ -231,7 +232,9 @@ class ShmSegments(PolledTransport):
             self._rout[r] = Ring(theirs, lay.ring(self._index(r, me)))
         self._me_asleep = memoryview(mine)[0:72].cast("q")
         if len(self.local) == self.size:  # peer rounds need every rank on this host
-            self.board = Board(mine, {r: self._maps[r] for r in self.peers}, lay.board)
+            self.board = Board(
+                mine, {r: self._maps[r] for r in self.peers}, lay.board, move=not self._yield
+            )
             ob = lay.outputs
             for r in self.local:
                 mv = memoryview(self._maps[r])
