@@ -32,6 +32,10 @@ OUT_BYTES = 2 * BOARD_DATA
 # ... for a rank's own block from this size on: below it the post is faster (the copy saved
 # costs less than the wait for the peers' acks; timed in one job, benchmarks.md, stop 56).
 OUT_MIN = 320 * 1024
+# Own-block copies interleaved with single-copy reads (``exchange_copy``): this much of the
+# peer's message is read, then as large a share of the copies, so both ranks' blocks pass
+# through the shared cache once for the two readers (the owner's copy, the peer's read).
+COPY_PIECE = 1 << 20
 
 
 def out_place(slot: int, at: int) -> int:
@@ -44,12 +48,6 @@ def out_place(slot: int, at: int) -> int:
 def out_where(place: int) -> tuple[int, int]:
     """(slot, byte offset) of an output ``place`` (``out_place``)."""
     return place % OUT_SLOTS, place // OUT_SLOTS * PAGE
-
-
-# Own-block copies interleaved with single-copy reads (``exchange_copy``): this much of the
-# peer's message is read, then as large a share of the copies, so both ranks' blocks pass
-# through the shared cache once for the two readers (the owner's copy, the peer's read).
-COPY_PIECE = 1 << 20
 
 
 @dataclass(frozen=True)
