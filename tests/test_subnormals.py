@@ -1,8 +1,9 @@
-"""Float32 buffers that hold subnormal values are scaled through float64 (``subnormals``): the
-same bits as a float32 multiplication or division, without x86's microcode assists. The
-arithmetic is checked on every float32 of small magnitude and on random bit patterns, the
-sampling and its schedule on buffers built for it, and Average allreduces of large buffers a
-third of whose values are subnormal against the correctly rounded quotient at 2 and 3 ranks."""
+"""Float32 buffers that hold subnormal values are scaled through float64 (``subnormals``) where
+this CPU charges for them: the same bits as a float32 multiplication or division, without x86's
+microcode assists. The arithmetic is checked on every float32 of small magnitude and on random
+bit patterns, the per-CPU threshold on timings built for it, the sampling and its schedule on
+buffers built for it, and Average allreduces of large buffers a third of whose values are
+subnormal against the correctly rounded quotient at 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from horovod.collectives import subnormals
 from horovod.testing import run_ranks
 
 TINY = np.float32(2.0**-149)  # the least subnormal float32
+
+
+@pytest.fixture
+def pays_from_a_tenth(monkeypatch):
+    """A CPU on which the float64 way pays from a tenth of the values subnormal (the routing
+    tests run on any CPU; ``threshold`` on this one may say never)."""
+    monkeypatch.setattr(subnormals, "_THRESHOLD", [0.1])
 
 
 def bit_patterns() -> np.ndarray:
@@ -98,13 +106,52 @@ def test_present_finds_subnormals_in_any_sampled_run_and_not_zeros():
     assert not subnormals.present(np.zeros(0, np.float32))
 
 
-def test_likely_looks_at_every_buffer_of_a_size_while_it_finds_some_else_one_in_recheck():
+def test_the_share_is_counted_in_the_sampled_runs():
+    x = np.ones(1 << 16, np.float32)
+    assert subnormals.share(x) == 0.0
+    x[::4] = 3 * TINY
+    assert subnormals.share(x) == 0.25
+    x[:] = -TINY
+    assert subnormals.share(x) == 1.0
+    assert subnormals.share(np.array([0, TINY, 1, 2], np.float32)) == 0.25  # (all of a small one)
+
+
+@pytest.mark.parametrize(
+    "normal, subnormal, wide, want",
+    [
+        (1.0, 40.0, 6.0, 2 * 5 / 39),  # assists (x86 of stop 55): from about a quarter
+        (1.0, 100.0, 0.5, 0.0),  # the float64 way cheaper than even normal values: always
+        (4.2, 3.8, 20.5, float("inf")),  # no extra cost (AMD EPYC, stop 58): never
+        (1.0, 5.0, 6.0, float("inf")),  # an extra cost, but the float64 way costs more: never
+    ],
+)
+def test_the_threshold_is_where_the_float64_way_gets_faster(normal, subnormal, wide, want):
+    """From the times of one block: float32 with normal and with subnormal values, and the
+    float64 way; twice the break-even share, so that a share near it stays in float32."""
+    times = iter([normal, subnormal, wide])
+    assert subnormals._measured(lambda fn: next(times)) == pytest.approx(want)
+
+
+def test_the_threshold_is_timed_once_per_process(monkeypatch):
+    monkeypatch.setattr(subnormals, "_THRESHOLD", [None])
+    timed = []
+    real = subnormals._measured
+    monkeypatch.setattr(subnormals, "_measured", lambda t: timed.append(1) or real(t))
+    first = subnormals.threshold()
+    assert first >= 0.0 and subnormals.threshold() == first and timed == [1]
+
+
+def test_likely_looks_at_every_buffer_of_a_size_while_it_finds_some_else_one_in_recheck(
+    pays_from_a_tenth,
+):
     size = subnormals.MIN_ELEMENTS + 12345  # (sizes no other test uses: fresh schedules)
     found = np.full(size, TINY, np.float32)
     normal = np.ones(size, np.float32)
+    few = np.ones(size, np.float32)
+    few[::16] = TINY  # (a sixteenth: below the threshold)
     other = np.full(size + 1, TINY, np.float32)
     assert all(subnormals.likely(found) for _ in range(3))
-    assert not subnormals.likely(normal)  # looked, found none ...
+    assert not subnormals.likely(few)  # looked, found too few ...
     assert subnormals.likely(other)  # (another size: its own schedule)
     skipped = [subnormals.likely(found) for _ in range(subnormals.RECHECK - 1)]
     assert skipped == [False] * (subnormals.RECHECK - 1)  # ... so the next ones are not looked at
@@ -115,9 +162,13 @@ def test_likely_looks_at_every_buffer_of_a_size_while_it_finds_some_else_one_in_
     assert not subnormals.likely(found[: subnormals.MIN_ELEMENTS - 1])  # (too small)
     assert not subnormals.likely(found.astype(np.float64))  # (float32 only)
     assert not subnormals.likely(np.full(2 * size, TINY, np.float32)[::2])  # (contiguous only)
+    subnormals._THRESHOLD[0] = float("inf")  # a CPU where subnormals cost nothing extra
+    assert not any(subnormals.likely(found) for _ in range(2 * subnormals.RECHECK))
 
 
-def test_scale_goes_through_float64_only_for_large_buffers_with_subnormals(monkeypatch):
+def test_scale_goes_through_float64_only_for_large_buffers_with_subnormals(
+    monkeypatch, pays_from_a_tenth
+):
     calls = []
     monkeypatch.setattr(subnormals, "multiply", lambda flat, f: calls.append(flat.size))
     big = np.full(subnormals.MIN_ELEMENTS, TINY * 3, np.float32)
@@ -158,7 +209,7 @@ def exact_data(rank: int, size: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_average_of_subnormal_gradients_is_the_correctly_rounded_quotient(n):
+def test_average_of_subnormal_gradients_is_the_correctly_rounded_quotient(n, pays_from_a_tenth):
     size = 600_000  # (a 2.4 MB bucket: the ring, looked at for subnormals)
 
     def body(rank):
