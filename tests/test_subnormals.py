@@ -89,21 +89,21 @@ def test_through_float64_flushes_as_float32_does_where_the_thread_flushes(patter
         torch.set_flush_denormal(False)
 
 
-def test_present_finds_subnormals_in_any_sampled_run_and_not_zeros():
+def test_subnormals_are_found_in_any_sampled_run_and_zeros_are_not():
     normal = np.random.default_rng(0).standard_normal(1 << 16).astype(np.float32)
-    assert not subnormals.present(normal)
-    assert not subnormals.present(np.zeros(1 << 16, np.float32))
-    assert not subnormals.present(-np.zeros(1 << 16, np.float32))
-    assert not subnormals.present(np.full(1 << 16, np.finfo(np.float32).smallest_normal))
+    assert not subnormals.share(normal)
+    assert not subnormals.share(np.zeros(1 << 16, np.float32))
+    assert not subnormals.share(-np.zeros(1 << 16, np.float32))
+    assert not subnormals.share(np.full(1 << 16, np.finfo(np.float32).smallest_normal))
     for sign in (1, -1):
         third = normal.copy()
         third[::3] = sign * 5 * TINY
-        assert subnormals.present(third)
+        assert subnormals.share(third)
     largest = normal.copy()
     largest[(1 << 16) // 2] = np.float32(2.0**-126) - TINY  # the largest subnormal, one value
-    assert subnormals.present(largest)  # (the start of a sampled run)
-    assert subnormals.present(np.array([0, TINY], np.float32))  # a part too small: all of it
-    assert not subnormals.present(np.zeros(0, np.float32))
+    assert subnormals.share(largest)  # (the start of a sampled run)
+    assert subnormals.share(np.array([0, TINY], np.float32))  # a part too small: all of it
+    assert not subnormals.share(np.zeros(0, np.float32))
 
 
 def test_the_share_is_counted_in_the_sampled_runs():

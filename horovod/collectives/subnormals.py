@@ -71,11 +71,6 @@ def share(flat: np.ndarray) -> float:
     return int(np.count_nonzero(bits < _LEAST_NORMAL_LESS_ONE)) / bits.size
 
 
-def present(flat: np.ndarray) -> bool:
-    """Does float32 ``flat`` hold subnormals (``share``, sampled)?"""
-    return share(flat) > 0.0
-
-
 def threshold() -> float:
     """The share of subnormal values above which scaling a float32 buffer through float64 is
     faster on this CPU than the float32 arithmetic (``inf``: never, where subnormals cost it
@@ -108,7 +103,8 @@ def _measured(timed: Callable[[Callable[[], object]], float]) -> float:
     half = np.float32(0.5)
     normal = timed(lambda: np.multiply(ones, half, out=out))
     subnormal = timed(lambda: np.multiply(tiny, half, out=out))
-    wide = timed(lambda: multiply(tiny.copy(), 0.5))
+    np.copyto(out, tiny)  # (scaled in place, in float64 whatever its values)
+    wide = timed(lambda: multiply(out, 0.5))
     extra = subnormal - normal
     if extra <= 0.0 or wide >= subnormal:
         return float("inf")
@@ -124,12 +120,15 @@ def likely(buf: np.ndarray, part: np.ndarray | None = None) -> bool:
     size = buf.size
     if size < MIN_ELEMENTS or buf.dtype is not FLOAT32 or not buf.flags.c_contiguous:
         return False
+    least = threshold()
+    if least >= 1.0:  # (this CPU: never, so no look either)
+        return False
     skips = _skips
     left = skips.get(size, 0)
     if left > 0:
         skips[size] = left - 1
         return False
-    found = share((buf if part is None else part).reshape(-1)) > threshold()
+    found = share((buf if part is None else part).reshape(-1)) > least
     if len(skips) >= MAX_SIZES and size not in skips:
         skips.clear()
     skips[size] = 0 if found else RECHECK - 1

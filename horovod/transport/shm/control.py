@@ -108,7 +108,6 @@ class ShmControl(ShmWaiting):
             for k in range(len(owners)):
                 # 2 = the list's reference and getrefcount's argument: no view is alive.
                 if sys.getrefcount(owners[k]) == 2:
-                    # (ranks taking turns on the cores: measured no faster there)
                     at = 0 if self._yield else self._out_next[k]
                     if at + nbytes > OUT_BYTES:
                         at = 0
