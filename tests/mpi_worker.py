@@ -128,7 +128,8 @@ def pair() -> None:
     """Two ranks on the MPI plane: allreduces up to the board's room (2 MiB) take the
     engine's data rounds (1.0-1.04x mpi4py at 512 KiB-1 MiB on the same buffers, where the
     round before MPI's call cost 0.69x), with the bits MPI's own allreduce gives; larger ones
-    go to MPI. Broadcasts take data rounds up to the room too (MPI splits none)."""
+    go to MPI (up to the size that shared memory moves faster: ``one_host``). Broadcasts take
+    data rounds up to the room too (MPI splits none)."""
     from mpi4py import MPI
 
     import horovod.numpy as hvd
@@ -171,9 +172,93 @@ def pair() -> None:
             if step:  # cached: a data round, no MPI call
                 assert (len(calls), engine.stats["data_rounds"]) == (before[0], before[1] + 1)
     before = len(calls)
-    big = hvd.allreduce(np.full(3 << 20, r + 1, np.float32), op=hvd.Sum, name="big")
-    big = hvd.allreduce(np.full(3 << 20, r + 1, np.float32), op=hvd.Sum, name="big")
+    big = hvd.allreduce(np.full(3 << 18, r + 1, np.float32), op=hvd.Sum, name="big")
+    big = hvd.allreduce(np.full(3 << 18, r + 1, np.float32), op=hvd.Sum, name="big")
     assert (big == 3).all() and calls[before:].count("MPI_ALLREDUCE") == 2, calls[before:]
+    hvd.shutdown()
+    print(f"OK {r}", flush=True)
+
+
+def one_host() -> None:
+    """On one host, the operations that shared memory moves faster than MPI (large
+    allreduces and reduce-scatters, two-rank broadcasts) run there, first call
+    and cached alike, with the right results (for two ranks, MPI's bits); the others, and
+    with HOROVOD_SHARED_MEMORY=0 every one, on MPI."""
+    from mpi4py import MPI
+
+    import horovod.numpy as hvd
+    from horovod.core.context import current
+    from horovod.transport import mpi as plane
+
+    calls: list[str] = []
+    real = plane.MpiPlane.call
+
+    def counted(self, what, fn, *args, **kwargs):  # noqa: ANN001
+        calls.append(what)
+        real(self, what, fn, *args, **kwargs)
+
+    plane.MpiPlane.call = counted  # type: ignore[method-assign]
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    shm = os.environ.get("HOROVOD_SHARED_MEMORY") != "0"
+    native = current().engine.transport.native
+    assert isinstance(native, plane.MpiCollectives) and native._plane.one_host is shm
+    world = MPI.COMM_WORLD
+    rng = np.random.default_rng(11 + r)
+    mib = 1 << 20
+
+    def floats(nbytes: int) -> np.ndarray:
+        return rng.standard_normal(nbytes // 4).astype(np.float32)
+
+    def allreduce(nbytes: int) -> tuple:
+        x = floats(nbytes)
+        want = np.empty_like(x)
+        world.Allreduce(x, want, op=MPI.SUM)
+        return hvd.allreduce(x, op=hvd.Sum, name=f"ar{nbytes}"), want
+
+    def allgather(nbytes: int) -> tuple:
+        x = np.full(nbytes // n // 4, r, np.float32)
+        want = np.repeat(np.arange(n, dtype=np.float32), x.size)
+        return hvd.allgather(x, name=f"ag{nbytes}"), want
+
+    def broadcast(nbytes: int) -> tuple:
+        want = np.arange(nbytes // 4, dtype=np.float32) + n - 1
+        x = want - (n - 1) + r
+        return hvd.broadcast_(x, n - 1, name=f"bc{nbytes}"), want
+
+    def reducescatter(nbytes: int) -> tuple:
+        cols = nbytes // 4 // (n * 4)
+        x = np.arange(n * 4 * cols, dtype=np.float32).reshape(n * 4, cols) % 1000 * (r + 1)
+        want = np.array_split(x / (r + 1) * (n * (n + 1) // 2), n)[r]
+        return hvd.reducescatter(x, op=hvd.Sum, name=f"rs{nbytes}"), want
+
+    def alltoall(nbytes: int) -> tuple:
+        x = np.full(nbytes // 4, r, np.float32)
+        want = np.repeat(np.arange(n, dtype=np.float32), x.size // n)
+        return hvd.alltoall(x, name=f"a2a{nbytes}"), want
+
+    # (op, bytes, its MPI call, runs on shared memory when there is one)
+    cases = [
+        (allreduce, 12 * mib, "MPI_ALLREDUCE", True),
+        (allreduce, 3 * mib, "MPI_ALLREDUCE", False),  # (beyond the board's room)
+        (allgather, 12 * mib, "MPI_ALLGATHERV", False),
+        (broadcast, 6 * mib, "MPI_BCAST", n == 2),
+        (broadcast, 3 * mib, "MPI_BCAST", False),
+        (reducescatter, 4 * mib, "MPI_REDUCE_SCATTER", True),
+        (reducescatter, mib // 2, "MPI_REDUCE_SCATTER", False),
+        (alltoall, 12 * mib, "MPI_ALLTOALLV", False),
+    ]
+    for fn, nbytes, mpi_call, own in cases:
+        for _ in range(2):  # negotiated by rank 0, then a cached op's peer round
+            before = len(calls)
+            got, want = fn(nbytes)
+            if n == 2 or fn is not allreduce:  # (two ranks' sum: the same bits in any order)
+                assert got.tobytes() == want.astype(got.dtype).tobytes(), (fn.__name__, nbytes)
+            else:
+                assert np.allclose(got, want, rtol=1e-5, atol=1e-5), (fn.__name__, nbytes)
+            made = calls[before:]  # (an alltoall's first call sends the counts)
+            expect = set() if own and shm else {mpi_call}
+            assert set(made) == expect and len(made) <= 2, (fn.__name__, nbytes, made)
     hvd.shutdown()
     print(f"OK {r}", flush=True)
 

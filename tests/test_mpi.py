@@ -118,6 +118,29 @@ def test_two_ranks_on_the_mpi_plane_take_data_rounds_with_mpis_bits(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_on_one_host_large_operations_run_on_shared_memory_the_rest_on_mpi(impl):
+    _ok(mpirun("one_host", 2, impl=impl, HOROVOD_CPU_OPERATIONS="mpi"), 2)
+
+
+@pytest.mark.parametrize(
+    "n, env", [(3, {}), (2, {"HOROVOD_SHARED_MEMORY": "0"})], ids=["3-ranks", "all-through-mpi"]
+)
+def test_which_operations_shared_memory_takes_from_mpi(tmp_path, n, env):
+    """Three ranks: broadcasts stay MPI's; without shared memory every operation is MPI's.
+    The timeline names the plane that ran each."""
+    timeline = tmp_path / "timeline.json"
+    _ok(
+        mpirun("one_host", n, HOROVOD_CPU_OPERATIONS="mpi", HOROVOD_TIMELINE=str(timeline), **env),
+        n,
+    )
+    names = {e.get("name") for e in json.loads(timeline.read_text())}
+    ran = {x for x in names if x and x.split("_", 1)[0] in ("MPI", "SHM")}
+    mpi = {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST", "MPI_REDUCESCATTER", "MPI_ALLTOALL"}
+    own = {"SHM_ALLREDUCE", "SHM_REDUCESCATTER"}
+    assert ran == (mpi | own if not env else mpi), ran
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_plain_mpirun_starts_the_job_over_mpi_with_no_variables_set(impl):
     _ok(mpirun("plain", 2, impl=impl), 2)
 
@@ -403,10 +426,12 @@ def test_the_main_example_trains_under_horovodrun_mpi(tmp_path):
 
 # ---------------------------------------------------------------------------- benchmarks
 @needs_mpi
-def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers():
+@pytest.mark.parametrize("all_mpi", [False, True], ids=["engine's-choice", "all-mpi"])
+def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers(all_mpi):
     r = subprocess.run(
         [sys.executable, "-m", "horovod.benchmarks.mpi_plane"]
-        + ["--sizes", "4M", "--iters", "2", "--repeats", "1"],
+        + ["--sizes", "4M", "--iters", "2", "--repeats", "1"]
+        + (["--all-mpi"] if all_mpi else []),
         env=_env(),
         capture_output=True,
         text=True,
@@ -427,7 +452,10 @@ def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers():
         mid, spread = paired.split()
         lo, hi = spread.strip("()").split("-")
         assert float(lo) <= float(mid) <= float(hi), row
-    assert not rows[0].split("|")[4].strip().startswith("0 us"), rows[0]
+    ran = [row.split("|")[4].strip() for row in rows]
+    assert not rows[0].split("|")[5].strip().startswith("0 us"), rows[0]
     # the Python before the first MPI call, on the slowest rank: measured (a rank's own path)
-    before = rows[0].split("|")[5].strip()
+    before = rows[0].split("|")[6].strip()
     assert before.endswith(" us") and int(before[:-3]) > 0, rows[0]
+    # a two-rank 4 MiB broadcast: shared memory's single copy on one host, unless all-MPI
+    assert ran[0] == "MPI" and ran[2] == ("MPI" if all_mpi else "shared memory"), ran

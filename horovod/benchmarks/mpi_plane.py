@@ -15,6 +15,11 @@ cost; the issue's target is 0.9 or more from 1 MiB up), and the same ratio paire
 the machine's drift between alternations moves less. The collectives benchmark compares
 against mpi4py in separate processes (``--peers ours-mpi,mpi``).
 
+On one host the engine leaves large operations to its shared-memory algorithms where they
+are faster than MPI's (``horovod.transport.mpi.OWN_FROM``): "ran on" says which way each
+went. ``--all-mpi`` (``HOROVOD_SHARED_MEMORY=0``) sends every byte through MPI, which is
+what the plane alone costs.
+
 Must not touch: the runtime's internals beyond counting the plane's MPI time (it wraps
 ``MpiPlane.call``).
 """
@@ -131,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=5, help="alternations (the best, and the paired ratios)"
     )
+    ap.add_argument(
+        "--all-mpi",
+        action="store_true",
+        help="every byte through MPI (HOROVOD_SHARED_MEMORY=0): no shared-memory algorithms",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -140,18 +150,25 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args = ["horovod.benchmarks.mpi_plane", "--worker", "--sizes", a.sizes]
     args += ["--iters", str(a.iters), "--repeats", str(a.repeats)]
-    data = launch.collect("mpirun", a.np, args, extra_env={"HOROVOD_CPU_OPERATIONS": "mpi"})
-    print(f"\n{a.np} ranks, {os.cpu_count()} CPUs; best of {a.repeats} alternations")
+    env = {"HOROVOD_CPU_OPERATIONS": "mpi"}
+    if a.all_mpi:
+        env["HOROVOD_SHARED_MEMORY"] = "0"
+    data = launch.collect("mpirun", a.np, args, extra_env=env)
     print(
-        "| op | size | horovod (MPI plane) | of which in MPI | Python before MPI, slowest rank "
-        "| mpi4py, same buffer | mpi4py/horovod | paired (range) |"
+        f"\n{a.np} ranks, {os.cpu_count()} CPUs; best of {a.repeats} alternations; "
+        + ("every byte through MPI" if a.all_mpi else "shared memory where faster")
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| op | size | horovod (MPI plane) | ran on | of which in MPI | Python before MPI, "
+        "slowest rank | mpi4py, same buffer | mpi4py/horovod | paired (range) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for op in OPS:
         for nbytes in sizes:
             ours, direct, inside, before, mid, lo, hi = data[f"{op}:{nbytes}"]
+            way = "MPI" if inside > 0 else "shared memory"  # (a data round, or the plane's own)
             print(
-                f"| {op} | {human(nbytes)} | {ours * 1e6:.0f} us | {inside * 1e6:.0f} us "
+                f"| {op} | {human(nbytes)} | {ours * 1e6:.0f} us | {way} | {inside * 1e6:.0f} us "
                 f"| {before * 1e6:.0f} us | {direct * 1e6:.0f} us | {direct / ours:.2f} "
                 f"| {mid:.2f} ({lo:.2f}-{hi:.2f}) |"
             )

@@ -569,10 +569,7 @@ def allgatherv(t, out: np.ndarray, nbytes: Sequence[int], src: np.ndarray | None
     blocks = [out[offs[r] : offs[r] + nbytes[r]] for r in range(n)]
     copies = [] if src is None else [(as_bytes(blocks[me]), as_bytes(src))]
     nat = native(t) if n > 1 else None
-    if nat is not None:
-        for dst, mine in copies:
-            dst[:] = mine
-        nat.allgatherv(out, nbytes, HIERARCHICAL_ALLGATHER, t.hosts)
+    if nat is not None and nat.allgatherv(out, nbytes, HIERARCHICAL_ALLGATHER, t.hosts, copies):
         return
     hosts = _hosts(t) if HIERARCHICAL_ALLGATHER and n > 1 else None
     if n == 1 or hosts is not None:

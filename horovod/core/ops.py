@@ -82,6 +82,15 @@ def _no_trace(activity: str | None) -> None:
     pass
 
 
+# An op's name for ``takes`` of a plane's own collectives (the others always run there).
+_NATIVE_NAMES = {
+    ALLREDUCE: "allreduce",
+    ALLGATHER: "allgather",
+    BROADCAST: "broadcast",
+    REDUCESCATTER: "reduce_scatter",
+}
+
+
 def execute(
     resp: Response,
     entries: Sequence[Entry | None],
@@ -93,8 +102,13 @@ def execute(
     or for alltoall ``(output, received_splits)``). ``trace(name)`` marks the start of each
     activity (timeline spans such as ``MEMCPY_IN_FUSION_BUFFER``); ``trace(None)`` the end."""
     op = resp.op
-    nat = alg.native(t)  # the plane's own collectives (MPI) name the activities when present
-    kind = nat.kind if nat is not None else getattr(t, "kind", "DIRECT")
+    # The plane's own collectives (MPI) name the activities where they run the op.
+    nat = alg.native(t)
+    kind = getattr(t, "kind", "DIRECT")
+    if nat is not None:
+        name = _NATIVE_NAMES.get(op)
+        if name is None or nat.takes(name, resp.nbytes(DTYPE_OF_CODE[resp.dtype].itemsize)):
+            kind = nat.kind
     if op == ALLREDUCE:
         out = _allreduce(resp, entries, t, buffers, trace, kind)
     elif op == ALLGATHER:

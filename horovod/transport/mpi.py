@@ -25,6 +25,11 @@ in the same order, so they all create it at the same point. Hierarchical allredu
 (``HOROVOD_HIERARCHICAL_*``) run on a host communicator (MPI moves that data through shared
 memory) and a leaders' communicator.
 
+On one host, the operations that the shared-memory transport's own algorithms move faster
+than MPI's collectives do (large allreduces and reduce-scatters, two-rank broadcasts:
+``OWN_FROM``) go there instead (``MpiCollectives.takes``); with ``HOROVOD_SHARED_MEMORY=0``
+every byte goes through MPI.
+
 Must not touch: the engine, negotiation, other planes (it sees a transport only through the
 ``Transport`` contract), mpi4py's initialisation (the job's world does that).
 """
@@ -48,6 +53,16 @@ from horovod.transport.base import CtrlHandler, Message, Transport
 # Others (bool, bfloat16) run the project's algorithms over the transport's point-to-point.
 REDUCIBLE = frozenset("ebBhHiIlLqQfd")
 ABORT_GRACE_S = 5.0  # after an abort, how long a blocking call may go on before MPI_Abort
+# On one host (the plane attached to the shared-memory transport): the operations of at least
+# this many bytes that the project's own algorithms over shared memory run instead of MPI.
+# Timed in one job, switching between the two ways every ten calls (docs/mpi.md, "On one
+# host"): allreduces 1.14-3.6x faster from 8 MiB (Open MPI 5, MPICH and Intel MPI at 2 ranks,
+# Open MPI at 3), where at 4 MiB Open MPI's was 1.16x faster at 2 ranks; reduce-scatters
+# 1.25-5.6x from 1 MiB; broadcasts between two ranks (the plane's single copy) 1.24-1.94x
+# from 4 MiB, where over three ranks Open MPI's was up to 1.15x faster. Allgathers (Open
+# MPI's 1.1-1.5x faster from 8 MiB), alltoalls (even) and barriers stay MPI's.
+OWN_FROM = {"allreduce": 8 << 20, "reduce_scatter": 1 << 20}
+OWN_BROADCAST_FROM = 4 << 20  # (two-rank sets only)
 
 
 def _mpi() -> Any:
@@ -79,7 +94,10 @@ class MpiPlane:
         self._closed = False
         self._watchdog: threading.Thread | None = None
         self._subsets: dict[tuple[int, ...], MpiCollectives] = {}
-        self.world = MpiCollectives(self, _Lazy(lambda: comm))
+        # The job's ranks share one host and the transport's own algorithms move its data
+        # through shared memory: large operations go there (``OWN_FROM``; set by ``attach``).
+        self.one_host = False
+        self.world = MpiCollectives(self, _Lazy(lambda: comm), self.size)
 
     # ------------------------------------------------------------------ calls
     def call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -160,7 +178,7 @@ class MpiPlane:
                 finally:
                     group.Free()
 
-            found = self._subsets[key] = MpiCollectives(self, _Lazy(make))
+            found = self._subsets[key] = MpiCollectives(self, _Lazy(make), len(key))
         return found
 
     def close(self, free: bool = True) -> None:
@@ -192,15 +210,17 @@ class _Lazy:
 
 
 class MpiCollectives:
-    """MPI's collectives on one communicator (the job's or a process set's). Each method
-    returns False, having done nothing, where MPI lacks the operation for the buffer; the
-    caller then runs its own algorithm over point-to-point."""
+    """MPI's collectives on one communicator (the job's or a process set's, of ``size``
+    ranks). Each method returns False, having done nothing, where MPI lacks the operation for
+    the buffer or leaves it to the transport (``takes``); the caller then runs its own
+    algorithm over point-to-point."""
 
     kind = "MPI"
 
-    def __init__(self, plane: MpiPlane, comm: _Lazy) -> None:
+    def __init__(self, plane: MpiPlane, comm: _Lazy, size: int) -> None:
         self._plane = plane
         self._comm = comm
+        self.size = size
         self._levels: tuple[Any, Any] | None = None  # (host comm, leaders' comm or None)
         self._levels_made = False
         self._MPI = MPI = _mpi()  # (kept: an import statement per call costs on cold caches)
@@ -213,6 +233,17 @@ class MpiCollectives:
 
     def subset(self, ranks: Sequence[int]) -> MpiCollectives:
         return self._plane.subset(ranks)
+
+    def takes(self, op: str, nbytes: int) -> bool:
+        """Does MPI run ``op`` ("allreduce", "allgather" (``nbytes``: the whole result),
+        "broadcast", "reduce_scatter" (the whole input), ...) of ``nbytes``, rather than the
+        transport's own algorithms? Everything but large operations on one host (``OWN_FROM``).
+        Every rank of the set decides alike: the same operation, bytes and set size."""
+        if not self._plane.one_host:
+            return True
+        if op == "broadcast":
+            return self.size != 2 or nbytes < OWN_BROADCAST_FROM
+        return nbytes < OWN_FROM.get(op, 1 << 62)
 
     def _op(self, op: Callable[..., np.ndarray], buf: np.ndarray) -> Any:
         if buf.dtype.char not in REDUCIBLE:
@@ -240,7 +271,7 @@ class MpiCollectives:
         self, buf: np.ndarray, op: Callable[..., np.ndarray], hierarchical: bool, hosts
     ) -> bool:
         mpi_op = self._op(op, buf)
-        if mpi_op is None:
+        if mpi_op is None or not self.takes("allreduce", buf.nbytes):
             return False
         MPI = self._MPI
         call = self._plane.call
@@ -257,8 +288,20 @@ class MpiCollectives:
         call("MPI_BCAST (host)", local.Bcast, buf, root=0)
         return True
 
-    def allgatherv(self, out: np.ndarray, nbytes: Sequence[int], hierarchical: bool, hosts) -> bool:
-        """``out`` (bytes) holds this rank's block at its place already."""
+    def allgatherv(
+        self,
+        out: np.ndarray,
+        nbytes: Sequence[int],
+        hierarchical: bool,
+        hosts,
+        place: Sequence[tuple[memoryview, memoryview]] = (),
+    ) -> bool:
+        """Every rank's block at its place in ``out`` (bytes): this rank's is there already,
+        or ``place`` (destination, block) copies put it there first."""
+        if not self.takes("allgather", sum(nbytes)):
+            return False
+        for dst, block in place:
+            dst[:] = block
         MPI = self._MPI
         call = self._plane.call
         displs = _offsets(nbytes)
@@ -291,6 +334,8 @@ class MpiCollectives:
         return True
 
     def broadcast(self, buf: np.ndarray, root: int) -> bool:
+        if not self.takes("broadcast", buf.nbytes):
+            return False
         spec = buf if buf.dtype.char in REDUCIBLE else [_bytes(buf), self._MPI.BYTE]
         self._plane.call("MPI_BCAST", self._comm.get().Bcast, spec, root=root)
         return True
@@ -314,7 +359,7 @@ class MpiCollectives:
         """Segment r (``counts[r]`` elements of ``buf``, in order) reduced across ranks lands
         in ``out`` on rank r."""
         mpi_op = self._op(op, buf)
-        if mpi_op is None:
+        if mpi_op is None or not self.takes("reduce_scatter", buf.nbytes):
             return False
         comm = self._comm.get()
         self._plane.call("MPI_REDUCE_SCATTER", comm.Reduce_scatter, buf, out, list(counts), mpi_op)
@@ -362,8 +407,10 @@ def _tag(ranks: tuple[int, ...]) -> int:
 
 
 def attach(transport: Transport, plane: MpiPlane) -> Transport:
-    """Give a built-in transport (shared memory) MPI's collectives for its data; its own
-    point-to-point and control stay. ``transport.close`` then closes the plane too."""
+    """Give a built-in transport (shared memory, one host) MPI's collectives for its data,
+    but for the large operations its own algorithms move faster (``MpiCollectives.takes``);
+    its own point-to-point and control stay. ``transport.close`` then closes the plane too."""
+    plane.one_host = True
     transport.native = plane.world
     inner_close = transport.close
 
