@@ -379,8 +379,15 @@ def hierarchical() -> None:
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     assert hvd.local_size() == 2 and hvd.cross_size() == 2
-    # several hosts: every byte through MPI, control through TCP
-    assert type(current().engine.transport).__name__ == "MpiTransport"
+    # several hosts: every byte through MPI, control through TCP read by the polling thread,
+    # and cached ops decided by peer rounds over TCP (not through rank 0)
+    engine = current().engine
+    assert type(engine.transport).__name__ == "MpiPolledTransport"
+    assert engine.board is not None
+    before = engine.stats["rounds_run"]
+    for _ in range(5):
+        assert (hvd.allreduce(np.ones(3), op=hvd.Sum, name="cached") == n).all()
+    assert engine.stats["rounds_run"] - before >= 3, engine.stats
     for count in (5, 1 << 18):
         x = np.arange(count, dtype=np.float64) * (r + 1)
         s = hvd.allreduce(x, op=hvd.Sum, name=f"h{count}")

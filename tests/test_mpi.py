@@ -180,6 +180,15 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging(impl):
     assert time.monotonic() - t0 < 60
 
 
+def test_a_rank_that_dies_ends_a_job_whose_control_is_tcp():
+    """Every byte through MPI, control and peer rounds over TCP (the transport of jobs across
+    hosts): the survivor sees its peer's connections close and the job ends."""
+    t0 = time.monotonic()
+    r = mpirun("lost", 2, HOROVOD_CPU_OPERATIONS="mpi", HOROVOD_SHARED_MEMORY="0", timeout=90)
+    assert r.returncode != 0 and "survived" not in r.stdout
+    assert time.monotonic() - t0 < 60
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_stuck_mpi_call_is_reported_and_ends_the_job_at_the_stall_shutdown(impl):
     t0 = time.monotonic()
@@ -458,4 +467,4 @@ def test_the_mpi_plane_benchmark_compares_with_mpi4py_on_the_same_buffers(all_mp
     before = rows[0].split("|")[6].strip()
     assert before.endswith(" us") and int(before[:-3]) > 0, rows[0]
     # a two-rank 4 MiB broadcast: shared memory's single copy on one host, unless all-MPI
-    assert ran[0] == "MPI" and ran[2] == ("MPI" if all_mpi else "shared memory"), ran
+    assert ran[0] == "MPI" and ran[2] == ("MPI" if all_mpi else "own"), ran

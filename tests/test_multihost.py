@@ -202,7 +202,7 @@ def test_horovodrun_mpi_across_hosts_flat_and_hierarchical(workdir, impl):
     _check_collectives(runs, workdir)
     told = [None, "tcp,self,sm", "tcp"] if mpi_impls.hydra(impl) else ["self,vader,tcp", None, None]
     for d in runs["flat"].values():
-        assert d["transport"] == "MpiTransport"  # (several hosts: the data through MPI)
+        assert d["transport"] == "MpiPolledTransport"  # (several hosts: data through MPI)
         assert d["tcp"] == told, d["tcp"]
 
 

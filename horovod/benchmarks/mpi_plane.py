@@ -17,7 +17,7 @@ against mpi4py in separate processes (``--peers ours-mpi,mpi``).
 
 On one host the engine leaves large operations to its shared-memory algorithms where they
 are faster than MPI's (``horovod.transport.mpi.OWN_FROM``): "ran on" says which way each
-went. ``--all-mpi`` (``HOROVOD_SHARED_MEMORY=0``) sends every byte through MPI, which is
+went ("own": no MPI call, a data round of the engine's or a shared-memory algorithm). ``--all-mpi`` (``HOROVOD_SHARED_MEMORY=0``) sends every byte through MPI, which is
 what the plane alone costs.
 
 Must not touch: the runtime's internals beyond counting the plane's MPI time (it wraps
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     for op in OPS:
         for nbytes in sizes:
             ours, direct, inside, before, mid, lo, hi = data[f"{op}:{nbytes}"]
-            way = "MPI" if inside > 0 else "shared memory"  # (a data round, or the plane's own)
+            way = "MPI" if inside > 0 else "own"  # (a data round, or shared memory's algorithm)
             print(
                 f"| {op} | {human(nbytes)} | {ours * 1e6:.0f} us | {way} | {inside * 1e6:.0f} us "
                 f"| {before * 1e6:.0f} us | {direct * 1e6:.0f} us | {direct / ours:.2f} "

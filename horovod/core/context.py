@@ -551,8 +551,10 @@ class Context:
     ) -> Transport:
         """The MPI data plane (horovod.transport.mpi): on one host, MPI's collectives on the
         shared-memory transport (whose control and peer rounds keep small operations fast);
-        across hosts, every byte through MPI and control through ``transport`` (TCP)."""
+        across hosts, every byte through MPI and control through ``transport`` (TCP), read by
+        the polling thread and with peer rounds over TCP where TCP's control is polled."""
         from horovod.transport import mpi as mpi_plane
+        from horovod.transport.tcp import TcpTransport
 
         warn = 0.0 if cfg.stall_check_disable else cfg.stall_check_time_seconds
         stop = cfg.stall_shutdown_time_seconds
@@ -561,7 +563,10 @@ class Context:
             shm = self._with_shared_memory(cfg, store, scope, transport)
             plane = mpi_plane.MpiPlane(comm, lambda: getattr(shm, "aborted", None), warn, stop)
             return mpi_plane.attach(shm, plane)
-        return mpi_plane.MpiTransport(comm, transport, warn, stop)
+        whole = mpi_plane.MpiTransport(comm, transport, warn, stop)
+        if not cfg.tcp_polled_control or type(transport) is not TcpTransport:
+            return whole
+        return self._with_polled_tcp(cfg, transport, whole)
 
     def _with_shared_memory(
         self, cfg: Config, store: Store, scope: str, transport: Transport
@@ -583,9 +588,12 @@ class Context:
             crowded=self.crowded,
         )
 
-    def _with_polled_tcp(self, cfg: Config, transport: Transport) -> Transport:
-        """TCP with its control connections read by the polling thread: TCP alone, or the
-        TCP plane under shared memory between hosts."""
+    def _with_polled_tcp(
+        self, cfg: Config, transport: Transport, mpi: Transport | None = None
+    ) -> Transport:
+        """TCP with its control connections read by the polling thread: TCP alone, the TCP
+        plane under shared memory between hosts, or the control beside ``mpi`` (an
+        ``MpiTransport``: every byte through MPI)."""
         from horovod.transport.tcp import TcpTransport
         from horovod.transport.tcp_board import MAX_RANKS as TCP_BOARD_MAX_RANKS
         from horovod.transport.tcp_polled import PolledTcpTransport
@@ -599,12 +607,15 @@ class Context:
         # TCP alone, or to the other hosts' ranks beside shared memory (``MixedBoard``).
         # (Whatever HOROVOD_PEER_ROUNDS says: a rank that posts none still answers.)
         board = cfg.size <= TCP_BOARD_MAX_RANKS
-        return PolledTcpTransport(
-            transport,
-            cfg.spin_microseconds,
-            oversubscribed=here > (os.cpu_count() or 1) or self.crowded,
-            board_timeout=cfg.timeout_seconds if board else None,
-        )
+        spin_us = cfg.spin_microseconds
+        oversubscribed = here > (os.cpu_count() or 1) or self.crowded
+        board_timeout = cfg.timeout_seconds if board else None
+        if mpi is not None:
+            from horovod.transport.mpi import MpiPolledTransport, MpiTransport
+
+            assert isinstance(mpi, MpiTransport)
+            return MpiPolledTransport(mpi, transport, spin_us, oversubscribed, board_timeout)
+        return PolledTcpTransport(transport, spin_us, oversubscribed, board_timeout)
 
     @staticmethod
     def _exchange_info(

@@ -9,8 +9,9 @@ job's transport as ``native``: on one host that is the shared-memory transport, 
 messages and peer rounds keep small operations at shared-memory latency; otherwise
 ``MpiTransport``, whose point-to-point messages go through MPI as well (``Isend``/``Irecv``,
 matched in posting order, the contract's rule) and whose control messages go through the TCP
-star it is given. Negotiation, the response cache, fusion, the timeline and error reports are
-the engine's on every plane.
+star it is given; ``MpiPolledTransport`` puts that star under the polling thread, with the
+engine's peer rounds over TCP board connections, as in a job over TCP alone. Negotiation,
+the response cache, fusion, the timeline and error reports are the engine's on every plane.
 
 A blocking MPI call cannot be interrupted. The plane checks for an abort before each call, and
 a watchdog thread (while a call is in progress) warns when one has run for the stall-check
@@ -48,6 +49,8 @@ import numpy as np
 from horovod.common import log
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler, Message, Transport
+from horovod.transport.tcp import TcpTransport
+from horovod.transport.tcp_polled import PolledTcpTransport
 
 # Buffer types MPI reduces natively (mpi4py maps them; float16 is Open MPI's MPIX_C_FLOAT16).
 # Others (bool, bfloat16) run the project's algorithms over the transport's point-to-point.
@@ -469,3 +472,45 @@ class MpiTransport(Transport):
     def close(self) -> None:
         self._control.close()
         self.plane.close()
+
+
+class MpiPolledTransport(PolledTcpTransport):
+    """Every byte through MPI (``mpi``'s point-to-point and the plane's collectives), control
+    messages and the engine's peer rounds through ``inner``'s TCP connections read by the
+    polling thread, as in a job over TCP alone: no reader threads and no hand-offs between
+    threads, and small cached operations decided by a round over the board's connections
+    (jobs of up to ``tcp_board.MAX_RANKS`` ranks) instead of through rank 0. Negotiating
+    each operation through rank 0 with reader threads cost 300-550 us before every MPI call
+    (docs/mpi.md)."""
+
+    kind = "MPI"
+
+    def __init__(
+        self,
+        mpi: MpiTransport,
+        inner: TcpTransport,
+        spin_us: float,
+        oversubscribed: bool,
+        board_timeout: float | None = None,
+    ) -> None:
+        super().__init__(inner, spin_us, oversubscribed, board_timeout)
+        self.mpi = mpi
+        self.native = mpi.native
+
+    # (the data plane: MPI's point-to-point, in the base forms built on ``exchange``)
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message]) -> None:
+        self.mpi.exchange(sends, recvs)
+
+    exchange_reduce = Transport.exchange_reduce
+    exchange_copy = Transport.exchange_copy
+    exchange_oneway = Transport.exchange_oneway
+    exchange_pair = Transport.exchange_pair
+
+    def abort(self, reason: str) -> None:
+        if self.mpi._aborted is None:  # (the plane's calls check it; the watchdog acts on it)
+            self.mpi._aborted = reason
+        super().abort(reason)
+
+    def close(self) -> None:
+        super().close()  # (the TCP connections: ``mpi`` holds the same ones as its control)
+        self.mpi.plane.close()
