@@ -16,6 +16,21 @@ def world_rank() -> int:
     return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
 
 
+def _mpi_calls() -> list[str]:
+    """The names of the MPI calls the plane makes from now on, in order (a list it fills)."""
+    from horovod.transport import mpi as plane
+
+    calls: list[str] = []
+    real = plane.MpiPlane.call
+
+    def counted(self, what, fn, *args, **kwargs):  # noqa: ANN001
+        calls.append(what)
+        real(self, what, fn, *args, **kwargs)
+
+    plane.MpiPlane.call = counted  # type: ignore[method-assign]
+    return calls
+
+
 def collectives() -> None:
     """Every collective on the MPI plane, against formulas (HOROVOD_CPU_OPERATIONS=mpi)."""
     import horovod.numpy as hvd
@@ -136,14 +151,7 @@ def pair() -> None:
     from horovod.core.context import current
     from horovod.transport import mpi as plane
 
-    calls: list[str] = []
-    real = plane.MpiPlane.call
-
-    def counted(self, what, fn, *args, **kwargs):  # noqa: ANN001
-        calls.append(what)
-        real(self, what, fn, *args, **kwargs)
-
-    plane.MpiPlane.call = counted  # type: ignore[method-assign]
+    calls = _mpi_calls()
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     assert n == 2, n
@@ -190,14 +198,7 @@ def one_host() -> None:
     from horovod.core.context import current
     from horovod.transport import mpi as plane
 
-    calls: list[str] = []
-    real = plane.MpiPlane.call
-
-    def counted(self, what, fn, *args, **kwargs):  # noqa: ANN001
-        calls.append(what)
-        real(self, what, fn, *args, **kwargs)
-
-    plane.MpiPlane.call = counted  # type: ignore[method-assign]
+    calls = _mpi_calls()
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     shm = os.environ.get("HOROVOD_SHARED_MEMORY") != "0"
