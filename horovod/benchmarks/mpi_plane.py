@@ -17,8 +17,9 @@ against mpi4py in separate processes (``--peers ours-mpi,mpi``).
 
 On one host the engine leaves large operations to its shared-memory algorithms where they
 are faster than MPI's (``horovod.transport.mpi.OWN_FROM``): "ran on" says which way each
-went ("own": no MPI call, a data round of the engine's or a shared-memory algorithm). ``--all-mpi`` (``HOROVOD_SHARED_MEMORY=0``) sends every byte through MPI, which is
-what the plane alone costs.
+went ("own": no MPI call, a data round of the engine's or a shared-memory algorithm).
+``--all-mpi`` (``HOROVOD_SHARED_MEMORY=0``) sends every byte through MPI, which is what the
+plane alone costs.
 
 Must not touch: the runtime's internals beyond counting the plane's MPI time (it wraps
 ``MpiPlane.call``).
