@@ -122,6 +122,7 @@ def test_on_one_host_large_operations_run_on_shared_memory_the_rest_on_mpi(impl)
     _ok(mpirun("one_host", 2, impl=impl, HOROVOD_CPU_OPERATIONS="mpi"), 2)
 
 
+@needs_mpi
 @pytest.mark.parametrize(
     "n, env", [(3, {}), (2, {"HOROVOD_SHARED_MEMORY": "0"})], ids=["3-ranks", "all-through-mpi"]
 )
@@ -180,6 +181,7 @@ def test_a_rank_that_dies_ends_the_job_instead_of_hanging(impl):
     assert time.monotonic() - t0 < 60
 
 
+@needs_mpi
 def test_a_rank_that_dies_ends_a_job_whose_control_is_tcp():
     """Every byte through MPI, control and peer rounds over TCP (the transport of jobs across
     hosts): the survivor sees its peer's connections close and the job ends."""
