@@ -110,6 +110,8 @@ def test_every_collective_runs_on_the_mpi_plane_and_the_timeline_names_it(tmp_pa
     events = json.loads(timeline.read_text())  # closed at shutdown: complete JSON
     names = {e.get("name") for e in events}
     assert {"MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST", "MPI_ALLTOALL"} <= names, names
+    # Adasum: the project's tree over shared memory (MPI has no such reduction)
+    assert "SHM_ADASUM" in names and "MPI_ADASUM" not in names, names
 
 
 @pytest.mark.parametrize("impl", IMPLS)

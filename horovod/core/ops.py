@@ -102,10 +102,11 @@ def execute(
     or for alltoall ``(output, received_splits)``). ``trace(name)`` marks the start of each
     activity (timeline spans such as ``MEMCPY_IN_FUSION_BUFFER``); ``trace(None)`` the end."""
     op = resp.op
-    # The plane's own collectives (MPI) name the activities where they run the op.
+    # The plane's own collectives (MPI) name the activities where they run the op (Adasum:
+    # never, the project's tree runs over the transport's point-to-point).
     nat = alg.native(t)
     kind = getattr(t, "kind", "DIRECT")
-    if nat is not None:
+    if nat is not None and resp.reduce_op != ADASUM_OP:
         name = _NATIVE_NAMES.get(op)
         if name is None or nat.takes(name, resp.nbytes(DTYPE_OF_CODE[resp.dtype].itemsize)):
             kind = nat.kind
