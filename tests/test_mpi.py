@@ -251,7 +251,11 @@ def test_horovodrun_mpi_writes_output_files_and_timestamps_like_its_own_launcher
     logs = tmp_path / "logs"
     flags = ["--output-filename", str(logs), "--prefix-output-with-timestamp"]
     r = horovodrun_mpi(impl, "-np", "2", *flags, _python(impl), str(script))
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    # (on failure, each rank's own error from its file: the console's tail may hold one only)
+    files = sorted(logs.glob("rank.*/stderr"))
+    assert r.returncode == 0, "\n".join(
+        [(r.stdout + r.stderr)[-3000:]] + [f"{f}:\n{f.read_text()[-2000:]}" for f in files]
+    )
     when = r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}"  # time.asctime()
     for k in range(2):  # (the console keeps each MPI's prefixes, after the time)
         assert (logs / f"rank.{k}" / "stdout").read_text() == f"out of {k} in words\n"

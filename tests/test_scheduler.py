@@ -171,6 +171,44 @@ def test_processes_started_as_srun_would_rendezvous_without_horovodrun(tmp_path)
         assert f"size {n} " in out and "sum 6.0" in out and "cross 0 1" in out
 
 
+SLOW_READER = """
+import sys, time
+from horovod.rendezvous.store import HTTPStoreClient
+if sys.argv[1] == "1":  # this rank reads the store late, after rank 0 has read all it needs
+    wait = HTTPStoreClient.wait
+    def late(self, *args, **kwargs):
+        time.sleep(1.0)
+        return wait(self, *args, **kwargs)
+    HTTPStoreClient.wait = late
+import horovod.numpy as hvd
+hvd.init()
+print("init done", hvd.rank(), flush=True)
+"""
+
+
+def test_rank_0_serving_the_store_ends_only_after_every_rank_is_done_with_it(tmp_path):
+    """Where rank 0's process serves the rendezvous (srun, mpirun), a script with nothing after
+    init must not end rank 0, and with it the store, while another rank still reads it."""
+    port, path = _free_port(), tmp_path / "slow_reader.py"
+    path.write_text(SLOW_READER)
+    procs = []
+    for r in (1, 0):  # (rank 0 last: the other waits for its store)
+        env = _env(_slurm(r, 2, r, SLURM_STEP_NODELIST="localhost"))
+        env["HOROVOD_GLOO_RENDEZVOUS_PORT"] = str(port)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(path), str(r)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=90) for p in procs]
+    for r, p, (out, err) in zip((1, 0), procs, outs, strict=True):
+        assert p.returncode == 0 and f"init done {r}" in out, err[-2000:]
+
+
 def test_a_scheduled_job_without_a_rendezvous_address_says_which_variable(tmp_path):
     env = _env({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"})
     r = subprocess.run(

@@ -440,6 +440,8 @@ class Context:
                 eager_bytes=cfg.eager_allreduce_bytes,
                 peer_rounds=cfg.peer_rounds,
             )
+            if spec is None and cfg.size > 1 and (launch is not None or mpi is not None):
+                self._release_store(store, scope, cfg)
         except BaseException:
             transport.close()
             if mpi is not None:
@@ -455,6 +457,16 @@ class Context:
             self.public_sets[i] = ps
         self.engine.start()
         log.logger.info("Horovod initialized: rank %d of %d", cfg.rank, cfg.size)
+
+    @staticmethod
+    def _release_store(store: Store, scope: str, cfg: Config) -> None:
+        """Where rank 0's process serves the job's rendezvous store (a job started by mpirun
+        or a scheduler, not horovodrun), rank 0 leaves init only once every rank is done with
+        the store: a rank still reading it when rank 0's script had already ended (a job with
+        nothing after init, under load) found the server gone and failed its init."""
+        store.set(scope, f"init.done.{cfg.rank}", b"1")
+        if cfg.rank == 0:
+            store.wait(scope, [f"init.done.{r}" for r in range(cfg.size)], cfg.timeout_seconds)
 
     @staticmethod
     def _serve_rendezvous(cfg: Config, launch: scheduler.Launch):
