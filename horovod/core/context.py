@@ -566,7 +566,6 @@ class Context:
         across hosts, every byte through MPI and control through ``transport`` (TCP), read by
         the polling thread and with peer rounds over TCP where TCP's control is polled."""
         from horovod.transport import mpi as mpi_plane
-        from horovod.transport.tcp import TcpTransport
 
         warn = 0.0 if cfg.stall_check_disable else cfg.stall_check_time_seconds
         stop = cfg.stall_shutdown_time_seconds
@@ -576,7 +575,7 @@ class Context:
             plane = mpi_plane.MpiPlane(comm, lambda: getattr(shm, "aborted", None), warn, stop)
             return mpi_plane.attach(shm, plane)
         whole = mpi_plane.MpiTransport(comm, transport, warn, stop)
-        if not cfg.tcp_polled_control or type(transport) is not TcpTransport:
+        if not cfg.tcp_polled_control:
             return whole
         return self._with_polled_tcp(cfg, transport, whole)
 
@@ -605,13 +604,14 @@ class Context:
     ) -> Transport:
         """TCP with its control connections read by the polling thread: TCP alone, the TCP
         plane under shared memory between hosts, or the control beside ``mpi`` (an
-        ``MpiTransport``: every byte through MPI)."""
+        ``MpiTransport``: every byte through MPI). Anything but a bare ``TcpTransport`` is
+        not polled: ``mpi`` as it is where given, else ``transport``."""
         from horovod.transport.tcp import TcpTransport
         from horovod.transport.tcp_board import MAX_RANKS as TCP_BOARD_MAX_RANKS
         from horovod.transport.tcp_polled import PolledTcpTransport
 
         if type(transport) is not TcpTransport:
-            return transport
+            return mpi if mpi is not None else transport
         per_host = Counter(self.hostnames)
         here = per_host[self.hostnames[cfg.rank]]
         # Peer rounds over TCP where the job is small enough for each rank to post to all

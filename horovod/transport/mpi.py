@@ -507,9 +507,10 @@ class MpiPolledTransport(PolledTcpTransport):
     exchange_pair = Transport.exchange_pair
 
     def abort(self, reason: str) -> None:
-        if self.mpi._aborted is None:  # (the plane's calls check it; the watchdog acts on it)
-            self.mpi._aborted = reason
-        super().abort(reason)
+        # (``mpi`` marks its calls aborted, which the watchdog acts on, and aborts the TCP
+        # connections it shares with this transport; the kick wakes the polling thread)
+        self.mpi.abort(reason)
+        self.kick()
 
     def close(self) -> None:
         super().close()  # (the TCP connections: ``mpi`` holds the same ones as its control)
