@@ -146,7 +146,7 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
             outs = hvd.grouped_allreduce([rng.standard_normal(5), rng.standard_normal(3)],
                                          name="g", op=hvd.Sum)
             digest.update(b"".join(o.tobytes() for o in outs))
-            # Larger ones still take a data round (256 KiB over the other ranks; over more
+            # Larger ones still take a data round (256 KiB over the other ranks or more; over more
             # than 2, no more than the plane reduces in rank order: its direct exchange up to
             # 128 KiB, then segments folded by their owners, 240 KB here; over TCP's 256 KiB
             # board at 3 ranks, 128 KiB: the 240 KB ones are plane rounds there)
@@ -194,9 +194,10 @@ def test_peer_rounds_give_the_same_bits_as_rank_0_and_the_data_plane(np_, plane)
         if mode == "rounds":  # the synchronous calls ran their rounds the express way
             assert all(q >= 1 for q in express), (mode, found)
             # the data rounds' allreduce budget: one post's room over the other ranks (shared
-            # memory 2 MiB, TCP 256 KiB; over more than 2 at most what the data plane reduces
-            # in rank order, 512 KiB); ranks on several hosts (mixed): the eager budget alone
-            want = {("shm", 2): 2 << 20, ("shm", 3): 512 << 10, ("tcp", 2): 256 << 10}.get(
+            # memory 2 MiB, TCP 256 KiB and 2 MiB in a job of two ranks; over more than 2 at
+            # most what the data plane reduces in rank order, 512 KiB); ranks on several hosts
+            # (mixed): the eager budget alone
+            want = {("shm", 2): 2 << 20, ("shm", 3): 512 << 10, ("tcp", 2): 2 << 20}.get(
                 (plane, np_), 128 << 10 if plane == "tcp" else 16 << 10
             )
             assert budgets == {want}, (mode, found)
@@ -475,3 +476,60 @@ def test_two_rank_broadcasts_the_data_plane_splits_skip_the_data_round():
         b2, b15, a2, g2 = json.loads(line)
         assert b2 == [0, 4], line
         assert b15 == a2 == g2 == [4, 0], line  # (g2: 2 MiB blocks, 4 MiB in all)
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_tcp_data_rounds_carry_up_to_2_mib_in_jobs_of_two_ranks(np_):
+    """Over TCP alone a post's room is 2 MiB in a job of two ranks (a data round moves there
+    what the data plane would, less the plane round's trip) and 256 KiB over more ranks: 1.5
+    MiB allreduces, allgathers of 1.5 MiB blocks and broadcasts take data rounds at two ranks
+    and plane rounds at three, a 3 MiB broadcast takes a plane round either way, and every
+    result is right."""
+    script = """
+        import json, numpy as np, horovod.numpy as hvd
+        from horovod.core.context import current
+        hvd.init()
+        r, n = hvd.rank(), hvd.size()
+        eng = current().engine
+        stats = eng.stats
+        def ways(fn):  # (data rounds, plane rounds) of 4 cached calls
+            fn()  # (negotiated at rank 0 once, then cached)
+            data = plane = 0
+            for _ in range(4):
+                hvd.barrier()
+                d, k = stats["data_rounds"], stats["rounds_run"]
+                out = fn()
+                data += stats["data_rounds"] - d
+                plane += stats["rounds_run"] - k - (stats["data_rounds"] - d)
+            return data, plane, out
+        mid = np.full(384 << 10, r + 1.0, np.float32)  # 1.5 MiB
+        big = np.full(768 << 10, r + 1.0, np.float32)  # 3 MiB
+        got = {
+            "allreduce": ways(lambda: hvd.allreduce(mid, op=hvd.Sum, name="a")),
+            "allgather": ways(lambda: hvd.allgather(mid, name="g")),
+            "broadcast": ways(lambda: hvd.broadcast(mid, n - 1, name="b")),
+            "broadcast_big": ways(lambda: hvd.broadcast(big, n - 1, name="bb")),
+        }
+        want = {
+            "allreduce": np.full(mid.size, n * (n + 1) / 2, np.float32),
+            "allgather": np.repeat(np.arange(1.0, n + 1, dtype=np.float32), mid.size),
+            "broadcast": np.full(mid.size, float(n), np.float32),
+            "broadcast_big": np.full(big.size, float(n), np.float32),
+        }
+        for k, (_, _, out) in got.items():
+            assert np.array_equal(out, want[k]), k
+        print("ways", r, eng.board_data, json.dumps({k: v[:2] for k, v in got.items()}),
+              flush=True)
+        hvd.shutdown()
+    """
+    out = _run_on("tcp", np_, script, {})
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = re.findall(r"ways \d (\d+) (.*)", out.stdout)
+    assert len(found) == np_, out.stdout + out.stderr
+    data = [4, 0] if np_ == 2 else [0, 4]
+    for room, line in found:
+        assert int(room) == (2 << 20 if np_ == 2 else 256 << 10), line
+        ways = json.loads(line)
+        assert ways["allreduce"] == ways["broadcast"] == data, line
+        assert ways["allgather"] == data, line  # (1.5 MiB blocks)
+        assert ways["broadcast_big"] == [0, 4], line

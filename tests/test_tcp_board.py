@@ -17,7 +17,7 @@ from test_transports import SECRET, _close, _make, _run, _run_collect
 from horovod.common.exceptions import TransportError
 from horovod.rendezvous.store import MemoryStore
 from horovod.transport.tcp import TcpTransport
-from horovod.transport.tcp_board import DATA_BYTES, HEADER, MAX_IDS
+from horovod.transport.tcp_board import DATA_BYTES, HEADER, MAX_IDS, PAIR_DATA_BYTES
 
 
 def _round(t, r, cids, data, tag, timeout=10.0):
@@ -44,8 +44,11 @@ def test_many_rounds_of_every_size_arrive_whole_and_in_order(kind, n):
     if kind == "mixed":  # shared memory's board with TCP's where a host has two ranks
         boards = [type(t.board).__name__ for t in ts]
         assert boards == (["MixedBoard"] * 2 + ["TcpBoard"] if n == 3 else ["MixedBoard"] * 4)
+    # (the board's room: larger in a job of two ranks, the same on every rank)
+    room = PAIR_DATA_BYTES if n == 2 else DATA_BYTES
+    assert [t.board.data_bytes for t in ts] == [room] * n
     rng = np.random.default_rng(7)
-    sizes = [0, 1, 7, 4096, 65536, DATA_BYTES - 1, DATA_BYTES, 3, 100_000] * 3
+    sizes = [0, 1, 7, 4096, 65536, DATA_BYTES, room - 1, room, 3, 100_000] * 3
     payloads = [[rng.integers(0, 256, s, np.uint8) for _ in range(n)] for s in sizes]
     try:
 
@@ -170,7 +173,7 @@ def test_a_lost_peer_is_no_error_where_nobody_waits_for_it():
     [
         HEADER.pack(5, 1, 0, 0),  # round 5 when 1 is next
         HEADER.pack(1, MAX_IDS + 1, 0, 0),  # too many ids
-        HEADER.pack(1, 1, DATA_BYTES + 1, 0),  # too much data
+        HEADER.pack(1, 1, PAIR_DATA_BYTES + 1, 0),  # too much data (two ranks' room)
     ],
     ids=["round", "ids", "data"],
 )

@@ -48,6 +48,7 @@ import numpy as np
 
 from horovod.common import log
 from horovod.common.exceptions import TransportError
+from horovod.transport import tcp_board
 from horovod.transport.base import CtrlHandler, Message, Transport
 from horovod.transport.tcp import TcpTransport
 from horovod.transport.tcp_polled import PolledTcpTransport
@@ -484,6 +485,8 @@ class MpiPolledTransport(PolledTcpTransport):
     (docs/mpi.md)."""
 
     kind = "MPI"
+    # (posts travel over TCP, beside the fabric MPI uses: data rounds only for small ops)
+    pair_board_bytes = tcp_board.DATA_BYTES
 
     def __init__(
         self,

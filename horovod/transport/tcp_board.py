@@ -36,7 +36,15 @@ HEADER = struct.Struct("<qqqq")  # round, cache ids, data bytes, tag
 HEADER_ONE = struct.Struct("<qqqqq")  # ... and the one cache id of a lone op's post
 ID = struct.Struct("<q")
 MAX_RANKS = 8  # peer rounds over TCP in jobs of at most this many ranks (each posts to all)
-DATA_BYTES = 256 * 1024  # data of one post
+DATA_BYTES = 256 * 1024  # data of one post (the board's room), in jobs of more than two ranks
+# ... and in jobs of two: a data round then moves the bytes the data plane would (each rank's
+# whole buffer to the other), less the plane round's trip before it. Timed in one job on this
+# project's VM (``python -m horovod.benchmarks.rounds --plane tcp``), data rounds were 1.15-1.34x
+# the speed of plane rounds for 512 KiB-1.5 MiB allreduces, allgathers and broadcasts, and
+# 1.10-1.19x at 2 MiB (benchmarks.md, stop 60). Over more ranks every rank posts to every
+# other: an allreduce's data round then moves far more than the plane's ring, a broadcast's
+# root sends its data once per peer, so the room stays small there.
+PAIR_DATA_BYTES = 2 * 1024 * 1024
 MAX_IDS = 504  # cache ids of one post
 STAGE = 16 * 1024  # bytes read at once ahead of a post's body (a smaller post: in one read)
 
@@ -76,7 +84,9 @@ class _Peer:
 
 
 class TcpBoard(PeerBoard):
-    """Peer rounds over board connections (see the module docstring)."""
+    """Peer rounds over board connections (see the module docstring). ``data_bytes``: the
+    room of a post, which every rank of the job must agree on (a larger post is malformed to
+    its reader): ``DATA_BYTES``, or ``PAIR_DATA_BYTES`` in a job of two ranks."""
 
     data_bytes = DATA_BYTES
     max_ids = MAX_IDS
@@ -86,7 +96,9 @@ class TcpBoard(PeerBoard):
         socks: dict[int, socket.socket],
         lost: Callable[[int, OSError | None], TransportError],
         on_lost: Callable[[socket.socket], None],
+        data_bytes: int = DATA_BYTES,
     ) -> None:
+        self.data_bytes = data_bytes  # type: ignore[misc]
         self.peers = [_Peer(r, s) for r, s in sorted(socks.items())]
         # The live connections, polled before reading: one ``poll`` finds the peers with
         # something to read (0.3 us), where a read of a silent socket raises (1.4 us per
@@ -166,7 +178,7 @@ class TcpBoard(PeerBoard):
         done = False
         while p.body is None and p.have >= HEADER.size:
             n, nids, nbytes, tag = HEADER.unpack_from(stage)
-            if n != p.latest + 1 or not 0 <= nids <= MAX_IDS or not 0 <= nbytes <= DATA_BYTES:
+            if n != p.latest + 1 or not 0 <= nids <= MAX_IDS or not 0 <= nbytes <= self.data_bytes:
                 self._mark_lost(
                     p,
                     TransportError(

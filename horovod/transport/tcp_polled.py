@@ -32,7 +32,7 @@ from typing import Any
 from horovod.common.exceptions import TransportError
 from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
 from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
-from horovod.transport.tcp_board import TcpBoard
+from horovod.transport.tcp_board import DATA_BYTES, PAIR_DATA_BYTES, TcpBoard
 
 _CHUNK = 1 << 16
 
@@ -42,6 +42,7 @@ class PolledTcpTransport(PolledTransport):
 
     kind = "TCP"
     board: TcpBoard | None = None  # peer rounds over board connections (``board_timeout``)
+    pair_board_bytes = PAIR_DATA_BYTES  # the board's room in a job of two ranks
 
     def __init__(
         self,
@@ -71,8 +72,9 @@ class PolledTcpTransport(PolledTransport):
         for fd in self._fds:
             self._idle_poller.register(fd, select.POLLIN)
         if board_timeout is not None:  # peer rounds over board connections (every rank)
+            room = self.pair_board_bytes if self.size == 2 else DATA_BYTES
             self.board = TcpBoard(
-                inner.connect_board(board_timeout), inner.lost, self._stop_polling
+                inner.connect_board(board_timeout), inner.lost, self._stop_polling, room
             )
             for sock in self.board.live():
                 self._poller.register(sock.fileno(), select.POLLIN)
@@ -250,7 +252,7 @@ class PolledTcpTransport(PolledTransport):
             elif p.lost is None:
                 self._stop_polling(p.sock)
                 p.sock.close()
-        self.board = TcpBoard(keep, self.inner.lost, self._stop_polling)
+        self.board = TcpBoard(keep, self.inner.lost, self._stop_polling, board.data_bytes)
         return self.board
 
     def board_post(
