@@ -417,6 +417,47 @@ def test_network_interfaces_named_explicitly(net, workdir):
     _nothing_left(marker)
 
 
+TWO_HOST_ROOM = """
+    import json, numpy as np, horovod.numpy as hvd
+    from horovod.core.context import current
+    hvd.init()
+    r = hvd.rank()
+    eng = current().engine
+    stats = eng.stats
+    def ways(fn):  # data rounds of 3 cached calls (after the first, negotiated at rank 0)
+        out, n = fn(), 0
+        for _ in range(3):
+            hvd.barrier()
+            before = stats["data_rounds"]
+            out = fn()
+            n += stats["data_rounds"] - before
+        return n, out
+    got = {}
+    for kib in (512, 1024):
+        x = np.full(kib << 8, r + 1.0, np.float32)
+        n, out = ways(lambda: hvd.broadcast(x, 1, name=f"b{kib}"))
+        assert (out == 2).all()
+        got[kib] = n
+    print("ROOM", r, type(eng.board).__name__, eng.board_data, json.dumps(got, separators=(",", ":")),
+          flush=True)
+    hvd.shutdown()
+"""
+
+
+def test_two_ranks_on_two_hosts_post_up_to_512_kib_in_a_data_round(net, workdir):
+    """Two ranks over TCP between two hosts: a post's room is 512 KiB there (2 MiB where both
+    are on one machine): a 512 KiB broadcast takes data rounds, a 1 MiB one plane rounds."""
+    r, marker = _horovodrun(net, ["-np", "2", "-H", "hostA:1,hostB:1"], TWO_HOST_ROOM, workdir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split()[1:] for line in r.stdout.splitlines() if "ROOM" in line]
+    assert len(rows) == 2, r.stdout
+    for row in rows:
+        rank, board, room, ways = row[-4], row[-3], row[-2], row[-1]
+        assert board == "TcpBoard" and int(room) == 512 << 10, row
+        assert json.loads(ways) == {"512": 3, "1024": 0}, (rank, ways)
+    _nothing_left(marker)
+
+
 ELASTIC = """
     import sys
     sys.argv[1:] = {args!r}

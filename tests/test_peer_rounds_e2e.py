@@ -480,8 +480,9 @@ def test_two_rank_broadcasts_the_data_plane_splits_skip_the_data_round():
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_tcp_data_rounds_carry_up_to_2_mib_in_jobs_of_two_ranks(np_):
-    """Over TCP alone a post's room is 2 MiB in a job of two ranks (a data round moves there
-    what the data plane would, less the plane round's trip) and 256 KiB over more ranks: 1.5
+    """Over TCP alone a post's room is 2 MiB in a job of two ranks on one machine (a data
+    round moves there what the data plane would, less the plane round's trip; 512 KiB on two,
+    test_multihost.py) and 256 KiB over more ranks: 1.5
     MiB allreduces, allgathers of 1.5 MiB blocks and broadcasts take data rounds at two ranks
     and plane rounds at three, a 3 MiB broadcast takes a plane round either way, and every
     result is right."""

@@ -16,8 +16,9 @@ from test_transports import SECRET, _close, _make, _run, _run_collect
 
 from horovod.common.exceptions import TransportError
 from horovod.rendezvous.store import MemoryStore
+from horovod.transport import tcp_board
 from horovod.transport.tcp import TcpTransport
-from horovod.transport.tcp_board import DATA_BYTES, HEADER, MAX_IDS, PAIR_DATA_BYTES
+from horovod.transport.tcp_board import DATA_BYTES, HEADER, LOCAL_PAIR_DATA_BYTES, MAX_IDS
 
 
 def _round(t, r, cids, data, tag, timeout=10.0):
@@ -44,8 +45,8 @@ def test_many_rounds_of_every_size_arrive_whole_and_in_order(kind, n):
     if kind == "mixed":  # shared memory's board with TCP's where a host has two ranks
         boards = [type(t.board).__name__ for t in ts]
         assert boards == (["MixedBoard"] * 2 + ["TcpBoard"] if n == 3 else ["MixedBoard"] * 4)
-    # (the board's room: larger in a job of two ranks, the same on every rank)
-    room = PAIR_DATA_BYTES if n == 2 else DATA_BYTES
+    # (the board's room: larger in a job of two ranks on one machine, the same on every rank)
+    room = LOCAL_PAIR_DATA_BYTES if n == 2 else DATA_BYTES
     assert [t.board.data_bytes for t in ts] == [room] * n
     rng = np.random.default_rng(7)
     sizes = [0, 1, 7, 4096, 65536, DATA_BYTES, room - 1, room, 3, 100_000] * 3
@@ -168,12 +169,22 @@ def test_a_lost_peer_is_no_error_where_nobody_waits_for_it():
         _close(ts)
 
 
+def test_the_room_of_a_post_follows_the_job_every_rank_alike():
+    """256 KiB over more than two ranks; two ranks: 2 MiB on one machine (data rounds there
+    beat the plane up to 2 MiB), 512 KiB on two (on a 10 Gbit/s link, 1-2 MiB broadcasts were
+    faster on the plane)."""
+    assert tcp_board.room(2, same_machine=True) == LOCAL_PAIR_DATA_BYTES == 2 << 20
+    assert tcp_board.room(2, same_machine=False) == tcp_board.PAIR_DATA_BYTES == 512 << 10
+    for n in (1, 3, 8):
+        assert tcp_board.room(n, same_machine=True) == DATA_BYTES == 256 << 10
+
+
 @pytest.mark.parametrize(
     "header",
     [
         HEADER.pack(5, 1, 0, 0),  # round 5 when 1 is next
         HEADER.pack(1, MAX_IDS + 1, 0, 0),  # too many ids
-        HEADER.pack(1, 1, PAIR_DATA_BYTES + 1, 0),  # too much data (two ranks' room)
+        HEADER.pack(1, 1, LOCAL_PAIR_DATA_BYTES + 1, 0),  # too much data (two ranks' room)
     ],
     ids=["round", "ids", "data"],
 )

@@ -38,6 +38,7 @@ Must not touch: the engine, negotiation, other planes (it sees a transport only 
 from __future__ import annotations
 
 import itertools
+import socket
 import sys
 import threading
 import time
@@ -485,8 +486,6 @@ class MpiPolledTransport(PolledTcpTransport):
     (docs/mpi.md)."""
 
     kind = "MPI"
-    # (posts travel over TCP, beside the fabric MPI uses: data rounds only for small ops)
-    pair_board_bytes = tcp_board.DATA_BYTES
 
     def __init__(
         self,
@@ -508,6 +507,10 @@ class MpiPolledTransport(PolledTcpTransport):
     exchange_copy = Transport.exchange_copy
     exchange_oneway = Transport.exchange_oneway
     exchange_pair = Transport.exchange_pair
+
+    def _board_room(self, socks: dict[int, socket.socket]) -> int:
+        # (posts travel over TCP, beside the fabric MPI uses: data rounds only for small ops)
+        return tcp_board.DATA_BYTES
 
     def abort(self, reason: str) -> None:
         # (``mpi`` marks its calls aborted, which the watchdog acts on, and aborts the TCP

@@ -37,14 +37,28 @@ HEADER_ONE = struct.Struct("<qqqqq")  # ... and the one cache id of a lone op's 
 ID = struct.Struct("<q")
 MAX_RANKS = 8  # peer rounds over TCP in jobs of at most this many ranks (each posts to all)
 DATA_BYTES = 256 * 1024  # data of one post (the board's room), in jobs of more than two ranks
-# ... and in jobs of two: a data round then moves the bytes the data plane would (each rank's
-# whole buffer to the other), less the plane round's trip before it. Timed in one job on this
-# project's VM (``python -m horovod.benchmarks.rounds --plane tcp``), data rounds were 1.15-1.34x
-# the speed of plane rounds for 512 KiB-1.5 MiB allreduces, allgathers and broadcasts, and
-# 1.10-1.19x at 2 MiB (benchmarks.md, stop 60). Over more ranks every rank posts to every
-# other: an allreduce's data round then moves far more than the plane's ring, a broadcast's
-# root sends its data once per peer, so the room stays small there.
-PAIR_DATA_BYTES = 2 * 1024 * 1024
+# ... and in jobs of two: a data round then moves what the data plane would (each rank's whole
+# buffer to the other), less the plane round's trip before it. Timed in one job (benchmarks.md,
+# stop 60): over loopback (TCP alone on one machine), data rounds were 1.26-1.58x the speed of
+# plane rounds for 384 KiB-1 MiB allreduces, allgathers and broadcasts and 1.03-1.19x at 2
+# MiB; between two test hosts on a 10 Gbit/s link, 1.05-1.52x for posts up to 512 KiB but
+# 0.79-0.90x for broadcasts of 1-2 MiB (and even on a 1 Gbit/s link, where the wire sets the
+# time). Over more ranks every rank posts to every other: an allreduce's data round then
+# moves far more than the plane's ring, a broadcast's root sends its data once per peer, so
+# the room stays small there.
+PAIR_DATA_BYTES = 512 * 1024  # two ranks on two machines
+LOCAL_PAIR_DATA_BYTES = 2 * 1024 * 1024  # two ranks on one machine
+
+
+def room(size: int, same_machine: bool) -> int:
+    """A post's room in a job of ``size`` ranks (``same_machine``: both of two ranks on one
+    machine). It is part of the post format (a larger post is malformed to its reader), so
+    every rank must get the same: both ends of a connection see the same answer."""
+    if size != 2:
+        return DATA_BYTES
+    return LOCAL_PAIR_DATA_BYTES if same_machine else PAIR_DATA_BYTES
+
+
 MAX_IDS = 504  # cache ids of one post
 STAGE = 16 * 1024  # bytes read at once ahead of a post's body (a smaller post: in one read)
 
@@ -86,7 +100,7 @@ class _Peer:
 class TcpBoard(PeerBoard):
     """Peer rounds over board connections (see the module docstring). ``data_bytes``: the
     room of a post, which every rank of the job must agree on (a larger post is malformed to
-    its reader): ``DATA_BYTES``, or ``PAIR_DATA_BYTES`` in a job of two ranks."""
+    its reader): ``room()``."""
 
     data_bytes = DATA_BYTES
     max_ids = MAX_IDS

@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from horovod.common.exceptions import TransportError
+from horovod.transport import tcp_board
 from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
-from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
-from horovod.transport.tcp_board import DATA_BYTES, PAIR_DATA_BYTES, TcpBoard
+from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport, same_machine
+from horovod.transport.tcp_board import TcpBoard
 
 _CHUNK = 1 << 16
 
@@ -42,7 +43,6 @@ class PolledTcpTransport(PolledTransport):
 
     kind = "TCP"
     board: TcpBoard | None = None  # peer rounds over board connections (``board_timeout``)
-    pair_board_bytes = PAIR_DATA_BYTES  # the board's room in a job of two ranks
 
     def __init__(
         self,
@@ -72,10 +72,8 @@ class PolledTcpTransport(PolledTransport):
         for fd in self._fds:
             self._idle_poller.register(fd, select.POLLIN)
         if board_timeout is not None:  # peer rounds over board connections (every rank)
-            room = self.pair_board_bytes if self.size == 2 else DATA_BYTES
-            self.board = TcpBoard(
-                inner.connect_board(board_timeout), inner.lost, self._stop_polling, room
-            )
+            socks = inner.connect_board(board_timeout)
+            self.board = TcpBoard(socks, inner.lost, self._stop_polling, self._board_room(socks))
             for sock in self.board.live():
                 self._poller.register(sock.fileno(), select.POLLIN)
         self._closed = False
@@ -239,6 +237,12 @@ class PolledTcpTransport(PolledTransport):
             pass
 
     # ---------------------------------------------------------------- peer rounds
+    def _board_room(self, socks: dict[int, socket.socket]) -> int:
+        """A post's room (``tcp_board.room``): larger in a job of two ranks, the most where
+        both are on this machine (the one connection's two ends agree on that)."""
+        local = len(socks) == 1 and same_machine(next(iter(socks.values())))
+        return tcp_board.room(self.size, local)
+
     def narrow_board(self, same_host: Sequence[int]) -> TcpBoard:
         """The board over the other hosts' ranks only: the ranks of ``same_host`` post to
         this one on a shared-memory board (``MixedBoard``), so their board connections are
