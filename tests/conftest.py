@@ -23,6 +23,26 @@ def rank_data(rank: int, n: int, dtype, shape=None) -> np.ndarray:
     return base.astype(dtype).reshape(shape if shape is not None else (n,))
 
 
+# Script text for ``run_script`` (indented 8 spaces, as the tests' scripts are): ``ways(fn)``
+# makes 4 cached calls of ``fn`` (after one, negotiated at rank 0) and says how they went:
+# (data rounds, plane rounds, the last call's result).
+WAYS = """
+        import horovod.numpy as hvd
+        from horovod.core.context import current
+        def ways(fn):
+            stats = current().engine.stats
+            fn()
+            data = plane = 0
+            for _ in range(4):
+                hvd.barrier()
+                d, k = stats["data_rounds"], stats["rounds_run"]
+                out = fn()
+                data += stats["data_rounds"] - d
+                plane += stats["rounds_run"] - k - (stats["data_rounds"] - d)
+            return data, plane, out
+"""
+
+
 def run_script(
     script: str, np_: int = 2, *, args=(), env=None, timeout=60, launcher_args=(), raw=False
 ):

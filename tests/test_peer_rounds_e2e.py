@@ -11,7 +11,7 @@ import re
 import time
 
 import pytest
-from conftest import run_script
+from conftest import WAYS, run_script
 from test_shm_e2e import _can_read_a_child_process, _ours
 
 pytestmark = pytest.mark.e2e
@@ -435,7 +435,9 @@ def test_two_rank_broadcasts_the_data_plane_splits_skip_the_data_round():
     the ranks (the root writes half into the receiver, which reads the other half): faster
     than a data round (0.83x, benchmarks.md), so only smaller ones take data rounds, while
     allgathers and allreduces fill the board's 2 MiB room."""
-    script = """
+    script = (
+        WAYS
+        + """
         import json, numpy as np, horovod.numpy as hvd
         from horovod.core.context import current
         hvd.init()
@@ -445,29 +447,19 @@ def test_two_rank_broadcasts_the_data_plane_splits_skip_the_data_round():
         split = eng.transport.split_pair_bytes
         assert room == 2 << 20 and split == 2 << 20, (room, split)
         assert eng.round_broadcast == split - 1 and eng.round_budget == room
-        stats = eng.stats
-        def ways(fn):  # (data rounds, plane rounds) of 4 cached calls
-            fn()  # (negotiated at rank 0 once, then cached)
-            data = plane = 0
-            for _ in range(4):
-                hvd.barrier()
-                d, n = stats["data_rounds"], stats["rounds_run"]
-                fn()
-                data += stats["data_rounds"] - d
-                plane += stats["rounds_run"] - n - (stats["data_rounds"] - d)
-            return data, plane
         big = np.full(512 << 10, r + 1.0, np.float32)  # 2 MiB
         small = np.full(384 << 10, r + 1.0, np.float32)  # 1.5 MiB
         got = [
-            ways(lambda: hvd.broadcast_(big, 1, name="b2")),
-            ways(lambda: hvd.broadcast_(small, 1, name="b15")),
-            ways(lambda: hvd.allreduce_(big, op=hvd.Max, name="a2")),
-            ways(lambda: hvd.allgather(big, name="g2")),
+            ways(lambda: hvd.broadcast_(big, 1, name="b2"))[:2],
+            ways(lambda: hvd.broadcast_(small, 1, name="b15"))[:2],
+            ways(lambda: hvd.allreduce_(big, op=hvd.Max, name="a2"))[:2],
+            ways(lambda: hvd.allgather(big, name="g2"))[:2],
         ]
         print("ways", r, json.dumps(got), flush=True)
         assert (big == 2).all() and (small == 2).all()
         hvd.shutdown()
     """
+    )
     out = run_script(script, np_=2, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.findall(r"ways \d (.*)", out.stdout)
@@ -486,23 +478,14 @@ def test_tcp_data_rounds_carry_up_to_2_mib_in_jobs_of_two_ranks(np_):
     MiB allreduces, allgathers of 1.5 MiB blocks and broadcasts take data rounds at two ranks
     and plane rounds at three, a 3 MiB broadcast takes a plane round either way, and every
     result is right."""
-    script = """
+    script = (
+        WAYS
+        + """
         import json, numpy as np, horovod.numpy as hvd
         from horovod.core.context import current
         hvd.init()
         r, n = hvd.rank(), hvd.size()
         eng = current().engine
-        stats = eng.stats
-        def ways(fn):  # (data rounds, plane rounds) of 4 cached calls
-            fn()  # (negotiated at rank 0 once, then cached)
-            data = plane = 0
-            for _ in range(4):
-                hvd.barrier()
-                d, k = stats["data_rounds"], stats["rounds_run"]
-                out = fn()
-                data += stats["data_rounds"] - d
-                plane += stats["rounds_run"] - k - (stats["data_rounds"] - d)
-            return data, plane, out
         mid = np.full(384 << 10, r + 1.0, np.float32)  # 1.5 MiB
         big = np.full(768 << 10, r + 1.0, np.float32)  # 3 MiB
         got = {
@@ -523,6 +506,7 @@ def test_tcp_data_rounds_carry_up_to_2_mib_in_jobs_of_two_ranks(np_):
               flush=True)
         hvd.shutdown()
     """
+    )
     out = _run_on("tcp", np_, script, {})
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.findall(r"ways \d (\d+) (.*)", out.stdout)
