@@ -170,13 +170,13 @@ def test_a_lost_peer_is_no_error_where_nobody_waits_for_it():
 
 
 def test_the_room_of_a_post_follows_the_job_every_rank_alike():
-    """256 KiB over more than two ranks; two ranks: 2 MiB on one machine (data rounds there
-    beat the plane up to 2 MiB), 512 KiB on two (on a 10 Gbit/s link, 1-2 MiB broadcasts were
+    """256 KiB over more than two ranks; two ranks: 2 MiB on one host (data rounds there beat
+    the plane up to 2 MiB), 512 KiB on two (on a 10 Gbit/s link, 1-2 MiB broadcasts were
     faster on the plane)."""
-    assert tcp_board.room(2, same_machine=True) == LOCAL_PAIR_DATA_BYTES == 2 << 20
-    assert tcp_board.room(2, same_machine=False) == tcp_board.PAIR_DATA_BYTES == 512 << 10
+    assert tcp_board.room(2, one_host=True) == LOCAL_PAIR_DATA_BYTES == 2 << 20
+    assert tcp_board.room(2, one_host=False) == tcp_board.PAIR_DATA_BYTES == 512 << 10
     for n in (1, 3, 8):
-        assert tcp_board.room(n, same_machine=True) == DATA_BYTES == 256 << 10
+        assert tcp_board.room(n, one_host=True) == DATA_BYTES == 256 << 10
 
 
 @pytest.mark.parametrize(

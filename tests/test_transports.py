@@ -61,7 +61,8 @@ def _make(
                 r, n, store=store, scope="s", secret=secret, advertise="127.0.0.1", timeout=10
             )
             if kind in ("tcp-polled", "mixed", "mixed-direct"):
-                t = PolledTcpTransport(t, spin_us, oversubscribed=False, board_timeout=10)
+                one_host = len(set(hosts or ["h"])) == 1
+                t = PolledTcpTransport(t, spin_us, False, board_timeout=10, one_host=one_host)
             shm = dict(
                 store=store, scope="s", secret=secret, chunk=chunk, slots=slots, spin_us=spin_us
             )

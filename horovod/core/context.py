@@ -627,7 +627,8 @@ class Context:
 
             assert isinstance(mpi, MpiTransport)
             return MpiPolledTransport(mpi, transport, spin_us, oversubscribed, board_timeout)
-        return PolledTcpTransport(transport, spin_us, oversubscribed, board_timeout)
+        one_host = len(per_host) == 1
+        return PolledTcpTransport(transport, spin_us, oversubscribed, board_timeout, one_host)
 
     @staticmethod
     def _exchange_info(

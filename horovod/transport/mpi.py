@@ -38,7 +38,6 @@ Must not touch: the engine, negotiation, other planes (it sees a transport only 
 from __future__ import annotations
 
 import itertools
-import socket
 import sys
 import threading
 import time
@@ -508,7 +507,7 @@ class MpiPolledTransport(PolledTcpTransport):
     exchange_oneway = Transport.exchange_oneway
     exchange_pair = Transport.exchange_pair
 
-    def _board_room(self, socks: dict[int, socket.socket]) -> int:
+    def _board_room(self, one_host: bool) -> int:
         # (posts travel over TCP, beside the fabric MPI uses: data rounds only for small ops)
         return tcp_board.DATA_BYTES
 

@@ -46,21 +46,20 @@ DATA_BYTES = 256 * 1024  # data of one post (the board's room), in jobs of more 
 # time). Over more ranks every rank posts to every other: an allreduce's data round then
 # moves far more than the plane's ring, a broadcast's root sends its data once per peer, so
 # the room stays small there.
-PAIR_DATA_BYTES = 512 * 1024  # two ranks on two machines
-LOCAL_PAIR_DATA_BYTES = 2 * 1024 * 1024  # two ranks on one machine
-
-
-def room(size: int, same_machine: bool) -> int:
-    """A post's room in a job of ``size`` ranks (``same_machine``: both of two ranks on one
-    machine). It is part of the post format (a larger post is malformed to its reader), so
-    every rank must get the same: both ends of a connection see the same answer."""
-    if size != 2:
-        return DATA_BYTES
-    return LOCAL_PAIR_DATA_BYTES if same_machine else PAIR_DATA_BYTES
-
+PAIR_DATA_BYTES = 512 * 1024  # two ranks on two hosts
+LOCAL_PAIR_DATA_BYTES = 2 * 1024 * 1024  # two ranks on one host
 
 MAX_IDS = 504  # cache ids of one post
 STAGE = 16 * 1024  # bytes read at once ahead of a post's body (a smaller post: in one read)
+
+
+def room(size: int, one_host: bool) -> int:
+    """A post's room in a job of ``size`` ranks (``one_host``: every rank on one host). It is
+    part of the post format (a larger post is malformed to its reader), so every rank must
+    get the same: both come from what every rank knows alike, the job's size and hosts."""
+    if size != 2:
+        return DATA_BYTES
+    return LOCAL_PAIR_DATA_BYTES if one_host else PAIR_DATA_BYTES
 
 
 class _Peer:

@@ -32,7 +32,7 @@ from typing import Any
 from horovod.common.exceptions import TransportError
 from horovod.transport import tcp_board
 from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
-from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport, same_machine
+from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
 from horovod.transport.tcp_board import TcpBoard
 
 _CHUNK = 1 << 16
@@ -50,6 +50,7 @@ class PolledTcpTransport(PolledTransport):
         spin_us: float,
         oversubscribed: bool,
         board_timeout: float | None = None,
+        one_host: bool = False,
     ) -> None:
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
@@ -72,8 +73,12 @@ class PolledTcpTransport(PolledTransport):
         for fd in self._fds:
             self._idle_poller.register(fd, select.POLLIN)
         if board_timeout is not None:  # peer rounds over board connections (every rank)
-            socks = inner.connect_board(board_timeout)
-            self.board = TcpBoard(socks, inner.lost, self._stop_polling, self._board_room(socks))
+            self.board = TcpBoard(
+                inner.connect_board(board_timeout),
+                inner.lost,
+                self._stop_polling,
+                self._board_room(one_host),
+            )
             for sock in self.board.live():
                 self._poller.register(sock.fileno(), select.POLLIN)
         self._closed = False
@@ -237,11 +242,10 @@ class PolledTcpTransport(PolledTransport):
             pass
 
     # ---------------------------------------------------------------- peer rounds
-    def _board_room(self, socks: dict[int, socket.socket]) -> int:
+    def _board_room(self, one_host: bool) -> int:
         """A post's room (``tcp_board.room``): larger in a job of two ranks, the most where
-        both are on this machine (the one connection's two ends agree on that)."""
-        local = len(socks) == 1 and same_machine(next(iter(socks.values())))
-        return tcp_board.room(self.size, local)
+        both are on one host (``one_host``: from the job's host names, alike on every rank)."""
+        return tcp_board.room(self.size, one_host)
 
     def narrow_board(self, same_host: Sequence[int]) -> TcpBoard:
         """The board over the other hosts' ranks only: the ranks of ``same_host`` post to
