@@ -16,7 +16,7 @@ from horovod.collectives import algorithms as alg
 from horovod.common.exceptions import TransportError
 from horovod.common.shm_names import PREFIX, job_id, shm_dir
 from horovod.rendezvous.store import MemoryStore
-from horovod.transport.base import Scratch, as_bytes
+from horovod.transport.base import Scratch, as_bytes, spin_seconds
 from horovod.transport.loopback import LoopbackWorld
 from horovod.transport.shm import ShmTransport
 from horovod.transport.tcp import TcpTransport
@@ -38,13 +38,15 @@ def _make(
     spin_us=20.0,
     probe_must_pass=True,
     hosts=None,
+    oversubscribed=False,
 ):
     """n connected transports of ``kind`` (built concurrently, as ranks would). "shm-direct":
     shared memory with single-copy reads for every message of more than one chunk (checked to
     be on unless ``probe_must_pass`` is false). "mixed": a job on ``hosts`` (a host name per
     rank; by default the first half of the ranks on one, the rest on another): shared memory
     within each, polled TCP with board connections between them ("mixed-direct": with
-    single-copy reads within each host, as "shm-direct")."""
+    single-copy reads within each host, as "shm-direct"). ``oversubscribed``: as if more
+    ranks shared the machine's cores than it has (waiting loops yield, and spin longer)."""
     if kind.startswith("mixed") and hosts is None:
         hosts = ["a" if r < (n + 1) // 2 else "b" for r in range(n)]
     store = store or MemoryStore()
@@ -62,9 +64,17 @@ def _make(
             )
             if kind in ("tcp-polled", "mixed", "mixed-direct"):
                 one_host = len(set(hosts or ["h"])) == 1
-                t = PolledTcpTransport(t, spin_us, False, board_timeout=10, one_host=one_host)
+                t = PolledTcpTransport(
+                    t, spin_us, oversubscribed, board_timeout=10, one_host=one_host
+                )
             shm = dict(
-                store=store, scope="s", secret=secret, chunk=chunk, slots=slots, spin_us=spin_us
+                store=store,
+                scope="s",
+                secret=secret,
+                chunk=chunk,
+                slots=slots,
+                spin_us=spin_us,
+                crowded=oversubscribed,
             )
             if kind.startswith("mixed"):
                 direct = 1 if kind == "mixed-direct" else 0
@@ -1046,6 +1056,31 @@ def _create(hosts: list[str]) -> list:
     for th in threads:
         th.join(20)
     return out
+
+
+@pytest.mark.parametrize("kind", ["tcp-polled", "shm", "mixed"])
+def test_waiting_ranks_poll_ten_times_as_long_where_ranks_outnumber_the_cores(kind):
+    """HOROVOD_SPIN_MICROSECONDS is how long a waiting rank polls before it sleeps; where
+    ranks outnumber the cores its polls yield the CPU and it polls ten times as long (0 stays
+    0). The engine and the TCP data plane under a polled transport wait as long."""
+    assert spin_seconds(100, False) == pytest.approx(100e-6)
+    assert spin_seconds(100, True) == pytest.approx(1000e-6)
+    assert spin_seconds(0, True) == 0
+    cores = os.cpu_count() or 1
+    for crowded in (False, True):
+        ts = _make(kind, 2, spin_us=30.0, oversubscribed=crowded)
+        try:
+            for t in ts:
+                # (two ranks on one host outnumber a one-core machine's cores anyway)
+                over = crowded or (kind == "shm" and 2 > cores)
+                assert t.oversubscribed is over
+                assert t.spin_s == pytest.approx(30e-6 * (10 if over else 1))
+                polled = t if isinstance(t, PolledTcpTransport) else t._remote
+                if polled is not None:  # (the TCP data plane under it waits as long)
+                    assert polled.spin_s == pytest.approx(30e-6 * (10 if crowded else 1))
+                    assert polled.inner.spin_s == polled.spin_s
+        finally:
+            _close(ts)
 
 
 def test_ranks_agree_to_use_tcp_when_one_cannot_set_up_shared_memory(monkeypatch, caplog):

@@ -320,10 +320,11 @@ class Config:
     spin_microseconds: float = _knob(
         "HOROVOD_SPIN_MICROSECONDS",
         100.0,
-        "Shared-memory jobs: how long a waiting rank polls (for a peer's data, or for the "
-        "result a thread waits for while it runs the engine) before it sleeps until woken "
-        "(0: sleep at once). Polls yield the CPU when ranks outnumber the machine's cores "
-        "(every rank on the machine counts, whatever host name it has).",
+        "Shared-memory and TCP jobs: how long a waiting rank polls (for a peer's data, or for "
+        "the result a thread waits for while it runs the engine) before it sleeps until woken "
+        "(0: sleep at once). Where ranks outnumber the machine's cores (every rank on the "
+        "machine counts, whatever host name it has), polls yield the CPU and last ten times as "
+        "long: a yielding poll holds no core a peer needs, and each sleep costs a wake-up.",
         minimum=0,
     )
     output_pool_bytes: int = _knob(

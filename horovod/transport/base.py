@@ -194,6 +194,23 @@ class PeerBoard(ABC):
         -1); call once ``due()``."""
 
 
+# Where ranks outnumber the machine's cores, a waiting rank's polls yield the CPU between
+# looks, and it polls this many times as long before it sleeps: a yielding poll holds no core
+# a peer could use, while every sleep costs a wake-up, and with four ranks on two cores a peer
+# is often not scheduled within the plain spin. Measured on the 2-core VM (benchmarks.md, stop
+# 61), a barrier then a 4-byte allreduce at 4 ranks on two host names: about 800 us each at
+# 100 us of spin, 300-450 us at 1 ms (the same ops back to back take about 300 us); at 3
+# ranks 360-560 us against 50-450 us; loops of ops without a barrier were even.
+OVERSUBSCRIBED_SPIN_FACTOR = 10
+
+
+def spin_seconds(spin_us: float, oversubscribed: bool) -> float:
+    """How long a waiting thread polls before it sleeps: HOROVOD_SPIN_MICROSECONDS
+    (``spin_us``), ``OVERSUBSCRIBED_SPIN_FACTOR`` times that where ranks outnumber the cores
+    (0 stays 0: sleep at once)."""
+    return spin_us / 1e6 * (OVERSUBSCRIBED_SPIN_FACTOR if oversubscribed else 1)
+
+
 class PolledTransport(Transport):
     """A transport whose same-host control messages a thread polls, so the thread waiting
     for a result can run the engine (see "Who runs the engine" in docs/architecture.md). Only

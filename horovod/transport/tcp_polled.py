@@ -31,7 +31,7 @@ from typing import Any
 
 from horovod.common.exceptions import TransportError
 from horovod.transport import tcp_board
-from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce
+from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce, spin_seconds
 from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
 from horovod.transport.tcp_board import TcpBoard
 
@@ -54,7 +54,7 @@ class PolledTcpTransport(PolledTransport):
     ) -> None:
         self.inner = inner
         self.rank, self.size = inner.rank, inner.size
-        self.spin_s = spin_us / 1e6
+        self.spin_s = spin_seconds(spin_us, oversubscribed)
         self.oversubscribed = oversubscribed
         inner.spin_s, inner.spin_yield = self.spin_s, oversubscribed  # (its data plane too)
         self._socks: dict[int, socket.socket] = dict(inner._ctrl)

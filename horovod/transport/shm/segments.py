@@ -31,7 +31,7 @@ from horovod.common.exceptions import TransportError
 from horovod.common.shm_names import PREFIX, job_id, shm_dir
 from horovod.rendezvous.store import Store
 from horovod.transport import cma
-from horovod.transport.base import PolledTransport, Scratch, Transport
+from horovod.transport.base import PolledTransport, Scratch, Transport, spin_seconds
 from horovod.transport.shm.board import Board
 from horovod.transport.shm.channels import Channel
 from horovod.transport.shm.layout import OUT_BYTES, OUT_MIN, OUT_SLOTS, Layout
@@ -82,8 +82,8 @@ class ShmSegments(PolledTransport):
         self.chunk = (chunk + 63) // 64 * 64
         self.nslots = slots
         self.layout = Layout(len(self.local), slots, self.chunk)
-        self.spin_s = spin_us / 1e6
         self._yield = crowded or len(self.local) > (os.cpu_count() or 1)
+        self.spin_s = spin_seconds(spin_us, self._yield)
         self.oversubscribed = self._yield  # waiting loops yield the CPU between polls
         self._aborted: str | None = None
         self._closed = False
