@@ -199,8 +199,8 @@ class PeerBoard(ABC):
 # a peer could use, while every sleep costs a wake-up, and with four ranks on two cores a peer
 # is often not scheduled within the plain spin. Measured on the 2-core VM (benchmarks.md, stop
 # 61), a barrier then a 4-byte allreduce at 4 ranks on two host names: about 800 us each at
-# 100 us of spin, 300-450 us at 1 ms (the same ops back to back take about 300 us); at 3
-# ranks 360-560 us against 50-450 us; loops of ops without a barrier were even.
+# 100 us of spin, 130-510 us at 1 ms (the same ops back to back take about 300 us); at 3
+# ranks 100-560 us against 50-460 us; loops of ops without a barrier were even.
 OVERSUBSCRIBED_SPIN_FACTOR = 10
 
 
