@@ -30,10 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from horovod.common.exceptions import TransportError
-from horovod.transport import tcp_board
 from horovod.transport.base import CtrlHandler, Message, PolledTransport, Reduce, spin_seconds
 from horovod.transport.tcp import FRAME, MAX_FRAME, TcpTransport
-from horovod.transport.tcp_board import TcpBoard
+from horovod.transport.tcp_board import TcpBoard, room
 
 _CHUNK = 1 << 16
 
@@ -245,7 +244,7 @@ class PolledTcpTransport(PolledTransport):
     def _board_room(self, one_host: bool) -> int:
         """A post's room (``tcp_board.room``): larger in a job of two ranks, the most where
         both are on one host (``one_host``: from the job's host names, alike on every rank)."""
-        return tcp_board.room(self.size, one_host)
+        return room(self.size, one_host)
 
     def narrow_board(self, same_host: Sequence[int]) -> TcpBoard:
         """The board over the other hosts' ranks only: the ranks of ``same_host`` post to
